@@ -1,0 +1,13 @@
+"""numba_rope: the RotaryEmbedding operator (TensorRT / ONNX opset 23), exact and fast,
+on the CPU with Numba.
+
+``numba_rope.rotary_embedding`` is the operator; ``numba_rope.reference.rotary_embedding``
+is its plain NumPy float64 oracle.
+"""
+
+from numba_rope import reference
+from numba_rope.rotary import rotary_embedding
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "reference", "rotary_embedding"]

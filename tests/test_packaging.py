@@ -1,0 +1,35 @@
+"""The README's promises about commands hold."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_commands():
+    return re.findall(r"```bash\n(.*?)\n```", (ROOT / "README.md").read_text(), re.S)
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    install_and_test = readme_commands()[1]
+    test_command = install_and_test.split('pip install -e ".[test]" && ', 1)[1]
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert test_command in ci_lines
+
+
+def test_demo_command_succeeds():
+    demo = readme_commands()[0]
+    assert demo.endswith("python -m numba_rope demo")
+    result = subprocess.run(
+        [sys.executable, "-m", "numba_rope", "demo", "--repeats", "20"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    for dtype in ("float32", "float16", "bfloat16"):
+        assert re.search(rf"^{dtype}\s.*\sok$", result.stdout, re.M), result.stdout

@@ -1,0 +1,205 @@
+"""Every bad input raises the stated exception, with a useful message, before anything
+is written."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from oracles import BFLOAT16
+
+import numba_rope
+
+B, H, S, D = 2, 3, 4, 8
+
+
+def good(with_ids=True, dtype=np.float32, cache_dtype=None):
+    x = np.ones((B, H, S, D), dtype)
+    cache_dtype = cache_dtype or dtype
+    if with_ids:
+        cache = np.ones((10, D // 2), cache_dtype)
+        ids = np.zeros((B, S), np.int64)
+    else:
+        cache = np.ones((B, S, D // 2), cache_dtype)
+        ids = None
+    return {"input": x, "cos_cache": cache, "sin_cache": cache.copy(), "position_ids": ids}
+
+
+def call(args, **kwargs):
+    dtype = getattr(args["input"], "dtype", np.float32)
+    out = np.full((B, H, S, D), 7.0, dtype) if "out" not in kwargs else kwargs.pop("out")
+    sentinel = None if out is None else out.copy()
+    try:
+        numba_rope.rotary_embedding(**args, out=out, **kwargs)
+    finally:
+        if out is not None:
+            np.testing.assert_array_equal(out, sentinel)  # nothing written
+
+
+def replace(args, **changes):
+    return {**args, **changes}
+
+
+TYPE_ERRORS = {
+    "int input": (replace(good(), input=np.ones((B, H, S, D), np.int32)), "int32"),
+    "bool input": (replace(good(), input=np.ones((B, H, S, D), bool)), "bool"),
+    "complex input": (replace(good(), input=np.ones((B, H, S, D), np.complex64)), "complex64"),
+    "list input": (replace(good(), input=np.ones((B, H, S, D)).tolist()), "list"),
+    "list cache": (replace(good(), cos_cache=[[1.0] * 4] * 10), "list"),
+    "cos/sin dtypes differ": (
+        replace(good(dtype=np.float16), sin_cache=np.ones((10, 4), np.float32)),
+        "same dtype",
+    ),
+    "float64 caches for float32": (
+        replace(good(), cos_cache=np.ones((10, 4)), sin_cache=np.ones((10, 4))),
+        "float64",
+    ),
+    "float16 caches for bfloat16": (good(dtype=BFLOAT16, cache_dtype=np.float16), "float16"),
+    "float position ids": (replace(good(), position_ids=np.zeros((B, S))), "float64"),
+    "list position ids": (replace(good(), position_ids=[[0] * S] * B), "list"),
+}
+
+
+@pytest.mark.parametrize("case", TYPE_ERRORS, ids=str)
+def test_type_errors(case):
+    args, fragment = TYPE_ERRORS[case]
+    with pytest.raises(TypeError, match=fragment):
+        call(args)
+
+
+def test_out_of_wrong_dtype_is_type_error():
+    with pytest.raises(TypeError, match="out must have the input's dtype float32, got float64"):
+        call(good(), out=np.zeros((B, H, S, D)))
+
+
+def test_out_of_wrong_kind_is_type_error():
+    with pytest.raises(TypeError, match=r"out is a builtins\.list"):
+        numba_rope.rotary_embedding(**good(), out=[])
+
+
+@pytest.mark.parametrize("value", [1.5, "2", True, None])
+def test_rotary_dim_of_wrong_type(value):
+    with pytest.raises(TypeError, match="rotary_embedding_dim must be an integer"):
+        call(good(), rotary_embedding_dim=value)
+
+
+def test_interleaved_of_wrong_type():
+    with pytest.raises(TypeError, match="interleaved must be True or False, got 1"):
+        call(good(), interleaved=1)
+
+
+VALUE_ERRORS = {
+    "3-D input": (replace(good(), input=np.ones((B, S, D), np.float32)), {}, "must be 4-D"),
+    "5-D input": (replace(good(), input=np.ones((1, B, H, S, D), np.float32)), {}, "5-D"),
+    "odd rotary dim": (good(), {"rotary_embedding_dim": 3}, "must be even.*got 3"),
+    "negative rotary dim": (good(), {"rotary_embedding_dim": -2}, "got -2"),
+    "rotary dim > head": (good(), {"rotary_embedding_dim": 10}, "head size 8, got 10"),
+    "odd head size": (
+        {
+            "input": np.ones((B, H, S, 7), np.float32),
+            "cos_cache": np.ones((10, 3), np.float32),
+            "sin_cache": np.ones((10, 3), np.float32),
+            "position_ids": np.zeros((B, S), np.int64),
+        },
+        {},
+        "head size 7 is odd",
+    ),
+    "cache last dim": (
+        replace(
+            good(), cos_cache=np.ones((10, 3), np.float32), sin_cache=np.ones((10, 3), np.float32)
+        ),
+        {},
+        "last dimension must be rotary_dim/2 = 4, got 3",
+    ),
+    "cache last dim for partial rotary": (good(), {"rotary_embedding_dim": 4}, "= 2, got 4"),
+    "3-D caches with ids": (
+        replace(
+            good(),
+            cos_cache=np.ones((B, S, 4), np.float32),
+            sin_cache=np.ones((B, S, 4), np.float32),
+        ),
+        {},
+        "must be 2-D",
+    ),
+    "2-D caches without ids": (
+        replace(good(), position_ids=None),
+        {},
+        r"must be 3-D .* = \(2, 4, 4\)",
+    ),
+    "caches of another batch": (
+        replace(
+            good(with_ids=False),
+            cos_cache=np.ones((1, S, 4), np.float32),
+            sin_cache=np.ones((1, S, 4), np.float32),
+        ),
+        {},
+        r"got \(1, 4, 4\)",
+    ),
+    "cos and sin shapes differ": (
+        replace(good(), sin_cache=np.ones((11, 4), np.float32)),
+        {},
+        "same shape",
+    ),
+    "position ids shape": (
+        replace(good(), position_ids=np.zeros((B, S + 1), np.int64)),
+        {},
+        r"\[batch, seq_len\] = \(2, 4\), got \(2, 5\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", VALUE_ERRORS, ids=str)
+def test_value_errors(case):
+    args, kwargs, fragment = VALUE_ERRORS[case]
+    out = np.full(args["input"].shape, 7.0, np.float32) if args["input"].ndim == 4 else None
+    with pytest.raises(ValueError, match=fragment):
+        call(args, out=out, **kwargs)
+
+
+def test_out_of_wrong_shape_is_value_error():
+    with pytest.raises(ValueError, match=r"out must have the input's shape \(2, 3, 4, 8\)"):
+        call(good(), out=np.zeros((B, H, S, D + 2), np.float32))
+
+
+def test_read_only_out_is_value_error():
+    out = np.zeros((B, H, S, D), np.float32)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        call(good(), out=out)
+
+
+@pytest.mark.parametrize(
+    ("bad_value", "where", "id_dtype"),
+    [
+        (-1, [1, 2], np.int64),
+        (10, [0, 3], np.int64),
+        (2**40, [1, 0], np.int64),
+        (-(2**31), [0, 0], np.int32),
+        (10, [1, 3], np.int32),
+        (200, [1, 1], np.uint8),
+    ],
+)
+def test_out_of_range_position_ids(bad_value, where, id_dtype):
+    args = good()
+    ids = np.zeros((B, S), id_dtype)
+    ids[tuple(where)] = bad_value
+    with pytest.raises(
+        IndexError, match=rf"position_ids\[{where[0]}, {where[1]}\] = {bad_value} .* \[0, 9\]"
+    ):
+        call(replace(args, position_ids=ids))
+
+
+def test_huge_unsigned_position_id_is_reported_exactly():
+    ids = np.zeros((B, S), np.uint64)
+    ids[1, 1] = 2**64 - 1
+    with pytest.raises(IndexError, match=str(2**64 - 1)):
+        call(replace(good(), position_ids=ids))
+
+
+def test_in_place_input_is_untouched_on_error():
+    args = good()
+    x = args["input"]
+    ids = np.full((B, S), 99, np.int64)
+    before = x.copy()
+    with pytest.raises(IndexError):
+        numba_rope.rotary_embedding(**replace(args, position_ids=ids), out=x)
+    np.testing.assert_array_equal(x, before)
