@@ -7,6 +7,7 @@ what is wrong, the value received and what would be accepted.
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any
 
@@ -74,7 +75,20 @@ def check_interleaved(interleaved: Any) -> bool:
     return bool(interleaved)
 
 
-def check_call(
+def check_call(*arguments: Any) -> tuple[bool, int]:
+    """Check one call of ``rotary_embedding`` (see :func:`_check_call`).
+
+    A call is described by shapes, dtypes and two scalars, so the verdict is
+    remembered: repeated calls of the same signature skip the checks. Arguments that
+    cannot be hashed go to the plain check, which explains what is wrong with them.
+    """
+    try:
+        return _check_call_remembered(*arguments)
+    except TypeError:
+        return _check_call(*arguments)
+
+
+def _check_call(
     input_shape: tuple[int, ...],
     input_dtype: np.dtype,
     cos_shape: tuple[int, ...],
@@ -88,7 +102,11 @@ def check_call(
     interleaved: Any,
     rotary_embedding_dim: Any,
 ) -> tuple[bool, int]:
-    """Check one call of ``rotary_embedding``; return ``(interleaved, rotary_dim)``."""
+    """Check one call of ``rotary_embedding``; return ``(interleaved, rotary_dim)``.
+
+    Shapes are tuples and dtypes NumPy dtypes; ``ids_*`` and ``out_*`` are None when
+    the argument is absent.
+    """
     dtype_name = check_dtype(input_dtype)
     if len(input_shape) != 4:
         raise ValueError(
@@ -159,6 +177,10 @@ def check_call(
                 f"out must have the input's shape {tuple(input_shape)}, got {tuple(out_shape or ())}"
             )
     return interleaved, rotary_dim
+
+
+# typed=True: 1 and True (or 2 and 2.0) must not share a verdict.
+_check_call_remembered = functools.lru_cache(maxsize=1024, typed=True)(_check_call)
 
 
 def position_error(

@@ -9,7 +9,7 @@ from __future__ import annotations
 #: Inputs with fewer elements than this run on the calling thread: waking the worker
 #: threads costs more than the work (and can stall for milliseconds when another
 #: process keeps the other cores busy).
-PARALLEL_MIN_ELEMENTS: int = 1 << 18
+PARALLEL_MIN_ELEMENTS: int = 1 << 20
 
 #: Number of work chunks per worker thread in the parallel CPU kernel; more than one
 #: evens out the load when a core is shared.

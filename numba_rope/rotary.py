@@ -5,15 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from numba_rope import _dispatch
-from numba_rope._validation import check_call, position_error
-
-
-def _dtype(array: Any):
-    return None if array is None else array.dtype
-
-
-def _shape(array: Any):
-    return None if array is None else tuple(array.shape)
+from numba_rope._validation import check_call
 
 
 def rotary_embedding(
@@ -91,33 +83,15 @@ def rotary_embedding(
     array([[ 1.,  1.,  1.,  1.],
            [-1.,  1.,  1.,  1.]], dtype=float32)
     """
-    arrays = (input, cos_cache, sin_cache, position_ids, out)
-    backend = _dispatch.BACKENDS[_dispatch.device_of(arrays)]
+    backend = _dispatch.backend_for(input, cos_cache, sin_cache, position_ids, out)
+    describe = backend.describe
     interleaved, rotary_dim = check_call(
-        _shape(input),
-        input.dtype,
-        _shape(cos_cache),
-        cos_cache.dtype,
-        _shape(sin_cache),
-        sin_cache.dtype,
-        _shape(position_ids),
-        _dtype(position_ids),
-        _shape(out),
-        _dtype(out),
+        *describe(input),
+        *describe(cos_cache),
+        *describe(sin_cache),
+        *describe(position_ids),
+        *describe(out),
         interleaved,
         rotary_embedding_dim,
     )
-    if out is not None:
-        backend.check_writable(out)
-    if position_ids is not None:
-        bad = backend.first_bad_position(position_ids, cos_cache.shape[0])
-        if bad is not None:
-            raise position_error(bad[0], position_ids.shape, bad[1], cos_cache.shape[0])
-        position_ids = backend.kernel_position_ids(position_ids)
-    x, cos_cache, sin_cache, position_ids = backend.separate(
-        input, cos_cache, sin_cache, position_ids, out
-    )
-    result = backend.empty_like(input) if out is None else out
-    if input.size:
-        backend.launch(x, cos_cache, sin_cache, position_ids, result, interleaved, rotary_dim)
-    return result
+    return backend.run(input, cos_cache, sin_cache, position_ids, out, interleaved, rotary_dim)

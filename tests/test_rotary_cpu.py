@@ -111,12 +111,22 @@ def test_result_independent_of_thread_count(rng, parallel_always, threads):
     assert_bitwise_equal(got, float32_contract(x, cos, sin, ids))
 
 
-def test_large_input_takes_parallel_path(rng):
-    from numba_rope import config
+def test_default_threshold_routes_small_serial_and_large_parallel(rng, monkeypatch):
+    from numba_rope import _cpu, config
 
-    x, cos, sin, ids = make_case(rng, (1, 8, 256, 128), np.float16)
-    assert x.size >= config.PARALLEL_MIN_ELEMENTS
+    calls = []
+    real = _cpu._run_parallel
+    monkeypatch.setattr(
+        _cpu, "_run_parallel", lambda *args: calls.append(args[0].shape) or real(*args)
+    )
+    small = make_case(rng, (2, 8, 4, 512), np.float32)
+    numba_rope.rotary_embedding(*small)
+    assert calls == []
+    shape = (1, 4, config.PARALLEL_MIN_ELEMENTS // (4 * 64), 64)
+    x, cos, sin, ids = make_case(rng, shape, np.float16)
     got = numba_rope.rotary_embedding(x, cos, sin, ids)
+    if numba.get_num_threads() > 1:
+        assert calls == [shape]
     assert_bitwise_equal(got, float32_contract(x, cos, sin, ids))
 
 
@@ -263,3 +273,14 @@ def test_concurrent_calls_from_python_threads(rng, parallel_always):
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_out_overlapping_position_ids_is_still_correct(rng):
+    batch, seq_len = 2, 3
+    x, cos, sin, ids = make_case(rng, (batch, 1, seq_len, 4), np.float64, n_positions=5)
+    want = float32_contract(x, cos, sin, ids)
+    out = np.zeros((batch, 1, seq_len, 4), np.float64)
+    ids_in_out = out.view(np.int64).reshape(-1)[: batch * seq_len].reshape(batch, seq_len)
+    ids_in_out[...] = ids
+    numba_rope.rotary_embedding(x, cos, sin, ids_in_out, out=out)
+    assert_bitwise_equal(out, want)
