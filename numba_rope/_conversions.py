@@ -66,16 +66,18 @@ def _bfloat16_bits_to_float32(typingctx, bits):
 def _float32_to_bfloat16_bits(typingctx, value):
     def codegen(context, builder, signature, args):
         bits = builder.bitcast(args[0], _I32)
-        high = builder.lshr(bits, ir.Constant(_I32, 16))
-        # Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit.
-        lowest_kept = builder.and_(high, ir.Constant(_I32, 1))
-        bias = builder.add(ir.Constant(_I32, 0x7FFF), lowest_kept)
-        rounded = builder.trunc(builder.lshr(builder.add(bits, bias), ir.Constant(_I32, 16)), _I16)
-        # NaN: the canonical quiet NaN of the same sign (rounding could turn it into inf).
-        sign = builder.and_(builder.trunc(high, _I16), ir.Constant(_I16, 0x8000))
-        quiet_nan = builder.or_(sign, ir.Constant(_I16, 0x7FC0))
+        # NaN becomes the canonical quiet NaN of its sign before rounding (rounding a
+        # NaN's bits could carry into infinity). Everything stays 32 bits wide until
+        # the final truncation, so the vectorized loop packs to 16 bits only once.
+        sign = builder.and_(bits, ir.Constant(_I32, 0x80000000))
+        quiet_nan = builder.or_(sign, ir.Constant(_I32, 0x7FC00000))
         is_nan = builder.fcmp_unordered("uno", args[0], args[0])
-        return builder.select(is_nan, quiet_nan, rounded)
+        bits = builder.select(is_nan, quiet_nan, bits)
+        # Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit.
+        lowest_kept = builder.and_(builder.lshr(bits, ir.Constant(_I32, 16)), ir.Constant(_I32, 1))
+        bias = builder.add(ir.Constant(_I32, 0x7FFF), lowest_kept)
+        rounded = builder.lshr(builder.add(bits, bias), ir.Constant(_I32, 16))
+        return builder.trunc(rounded, _I16)
 
     return types.int16(value), codegen
 
