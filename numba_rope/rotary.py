@@ -8,10 +8,6 @@ from numba_rope import _dispatch
 from numba_rope._validation import check_call, position_error
 
 
-def _dtype(array: Any):
-    return None if array is None else array.dtype
-
-
 def _shape(array: Any):
     return None if array is None else tuple(array.shape)
 
@@ -25,6 +21,8 @@ def rotary_embedding(
     interleaved: bool = False,
     rotary_embedding_dim: int = 0,
     out: Any = None,
+    stream: Any = None,
+    check_position_ids: bool = True,
 ) -> Any:
     """Rotary position embedding, as TensorRT's ``RotaryEmbedding`` layer and ONNX
     ``RotaryEmbedding`` (opset 23) define it.
@@ -53,12 +51,22 @@ def rotary_embedding(
     out : array, optional
         Where to write the result: same shape and dtype as ``input``. May be ``input``
         itself (in place). It is left untouched when the call raises.
+    stream : optional
+        GPU arrays only (ignored for NumPy arrays): the CUDA stream to run on, as a numba
+        stream, a ``torch.cuda.Stream``, a ``cupy.cuda.Stream`` or a raw handle. Default:
+        torch's current stream for torch tensors, CuPy's for CuPy arrays, else Numba's
+        default stream.
+    check_position_ids : bool, default True
+        GPU arrays only: False skips the range check of ``position_ids`` (a small kernel
+        and one synchronization); tokens with an out-of-range id then get a row of NaN
+        instead of an ``IndexError``. On the CPU ids are always checked.
 
     Returns
     -------
     array
-        ``out`` if given, else a new C-contiguous array of the input's type, shape and
-        dtype.
+        ``out`` if given, else a new C-contiguous array of the input's type (NumPy, CuPy,
+        Numba device array or torch tensor), shape and dtype, on the input's device. On
+        the GPU the call returns without waiting for the kernel.
 
     Notes
     -----
@@ -71,8 +79,9 @@ def rotary_embedding(
     Raises
     ------
     TypeError
-        Arguments that are not arrays, unsupported dtypes, cache dtypes that differ or
-        do not fit the input, non-integer ``position_ids``, ``out`` of another dtype.
+        Arguments that are not arrays, arrays on different devices, unsupported dtypes,
+        cache dtypes that differ or do not fit the input, non-integer ``position_ids``,
+        ``out`` of another dtype.
     ValueError
         Input not 4-D, odd or out-of-range ``rotary_embedding_dim``, caches,
         ``position_ids`` or ``out`` of the wrong shape.
@@ -92,32 +101,35 @@ def rotary_embedding(
            [-1.,  1.,  1.,  1.]], dtype=float32)
     """
     arrays = (input, cos_cache, sin_cache, position_ids, out)
-    backend = _dispatch.BACKENDS[_dispatch.device_of(arrays)]
+    backend = _dispatch.backend_for(arrays, stream)
+    dtype_of = backend.dtype_of
+    input_shape = _shape(input)
     interleaved, rotary_dim = check_call(
-        _shape(input),
-        input.dtype,
+        input_shape,
+        dtype_of(input),
         _shape(cos_cache),
-        cos_cache.dtype,
+        dtype_of(cos_cache),
         _shape(sin_cache),
-        sin_cache.dtype,
+        dtype_of(sin_cache),
         _shape(position_ids),
-        _dtype(position_ids),
+        None if position_ids is None else dtype_of(position_ids),
         _shape(out),
-        _dtype(out),
+        None if out is None else dtype_of(out),
         interleaved,
         rotary_embedding_dim,
     )
     if out is not None:
         backend.check_writable(out)
     if position_ids is not None:
-        bad = backend.first_bad_position(position_ids, cos_cache.shape[0])
-        if bad is not None:
-            raise position_error(bad[0], position_ids.shape, bad[1], cos_cache.shape[0])
+        if check_position_ids or not backend.guards_cache_reads:
+            bad = backend.first_bad_position(position_ids, cos_cache.shape[0])
+            if bad is not None:
+                raise position_error(bad[0], _shape(position_ids), bad[1], cos_cache.shape[0])
         position_ids = backend.kernel_position_ids(position_ids)
     x, cos_cache, sin_cache, position_ids = backend.separate(
         input, cos_cache, sin_cache, position_ids, out
     )
     result = backend.empty_like(input) if out is None else out
-    if input.size:
+    if 0 not in input_shape:
         backend.launch(x, cos_cache, sin_cache, position_ids, result, interleaved, rotary_dim)
     return result
