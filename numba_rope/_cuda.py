@@ -72,6 +72,14 @@ def _to_float16(value):
     return np.float16(value)
 
 
+if SIMULATOR:  # NumPy warns when a value rounds to infinity, the defined result here
+    _to_float16_warning = _to_float16
+
+    def _to_float16(value):
+        with np.errstate(over="ignore"):
+            return _to_float16_warning(value)
+
+
 @cuda.jit(device=True, inline="always")
 def _bfloat16_bits_to_float32(bits):
     return np.uint32(np.uint32(bits) << 16).view(np.float32)
@@ -116,7 +124,7 @@ def _row_by_position_id(position_ids, b, s, n_rows):
 
 @cuda.jit(device=True, inline="always")
 def _row_by_token(position_ids, b, s, n_rows):
-    return np.int64(0)  # unused: the caches are indexed by (b, s)
+    return np.int64(0)  # unused: the caches are indexed by (b, s); position_ids is a stand-in
 
 
 @cuda.jit(device=True, inline="always")
@@ -280,9 +288,11 @@ def _launch_cuda(
     n_tokens = batch * seq_len
     n_groups = _cdiv(num_heads, heads_per_thread)
     grid = (min(_cdiv(n_tokens, token_threads), max_blocks), min(n_groups, max_blocks))
-    kernel = _rope_kernel(input_dtype, cache_dtype, position_ids is not None, heads_per_thread)
+    with_ids = position_ids is not None
+    kernel = _rope_kernel(input_dtype, cache_dtype, with_ids, heads_per_thread)
+    # A real launch cannot marshal None: without ids the kernel gets the (unread) cos.
     kernel[grid, (slot_threads, token_threads), stream](
-        x, cos, sin, position_ids, out, interleaved, rotary_dim, n_slots
+        x, cos, sin, position_ids if with_ids else cos, out, interleaved, rotary_dim, n_slots
     )
 
 
