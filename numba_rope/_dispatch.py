@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from numba_rope import _cpu
@@ -34,8 +33,6 @@ _STORAGE = {"float16": FLOAT16_STORAGE, "bfloat16": BFLOAT16_STORAGE}
 
 #: On the GPU float16 is native; bfloat16 travels as its bits.
 _GPU_STORAGE = {"bfloat16": np.dtype(np.uint16)}
-
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 ARGUMENT_NAMES = ("input", "cos_cache", "sin_cache", "position_ids", "out")
 
@@ -189,18 +186,29 @@ class CpuBackend:
         )
 
 
+_torch_dtypes: dict[Any, np.dtype] = {}
+
+
 def _torch_dtype(dtype: Any) -> np.dtype:
     """The NumPy dtype of a torch dtype (bfloat16 as ``ml_dtypes.bfloat16``)."""
+    found = _torch_dtypes.get(dtype)
+    if found is not None:
+        return found
     name = str(dtype).removeprefix("torch.")
-    if name == "bfloat16":
-        return BFLOAT16
     try:
-        return np.dtype(name)
+        if name == "bfloat16":
+            import ml_dtypes  # not at import time: it costs more than the rest of numba_rope
+
+            found = np.dtype(ml_dtypes.bfloat16)
+        else:
+            found = np.dtype(name)
     except TypeError:
         raise TypeError(
             f"torch dtype {dtype} has no NumPy equivalent; rotary_embedding accepts "
             f"float32, float16, bfloat16 and float64 tensors"
         ) from None
+    _torch_dtypes[dtype] = found
+    return found
 
 
 def _device_ordinal(array: Any, library: str | None) -> int | None:
