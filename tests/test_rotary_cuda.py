@@ -35,6 +35,8 @@ cuda = pytest.importorskip(
 )
 from numba.core import config as numba_config  # noqa: E402
 
+from numba_rope import _cuda as numba_rope_cuda  # noqa: E402
+
 SIMULATOR = bool(numba_config.ENABLE_CUDASIM)
 ROOT = Path(__file__).resolve().parent.parent
 DTYPE_IDS = [d.name for d in DTYPES]
@@ -198,16 +200,19 @@ def test_nan_and_inf_propagate_as_the_formula_says(dtype):
     assert_bitwise_equal(got, float32_contract(x, cos, sin, ids))
 
 
+_widen_bfloat16 = numba_rope_cuda._bfloat16_bits_to_float32
+_narrow_bfloat16 = numba_rope_cuda._float32_to_bfloat16_bits
+_narrow_float16 = numba_rope_cuda._to_float16
+
+
 @cuda.jit
 def _convert_kernel(bfloat16_bits, widened, float32_values, bfloat16_rounded, float16_rounded):
-    from numba_rope import _cuda
-
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, bfloat16_bits.shape[0], stride):
-        widened[i] = _cuda._bfloat16_bits_to_float32(bfloat16_bits[i])
+        widened[i] = _widen_bfloat16(bfloat16_bits[i])
     for i in range(start, float32_values.shape[0], stride):
-        bfloat16_rounded[i] = _cuda._float32_to_bfloat16_bits(float32_values[i])
-        float16_rounded[i] = _cuda._to_float16(float32_values[i])
+        bfloat16_rounded[i] = _narrow_bfloat16(float32_values[i])
+        float16_rounded[i] = _narrow_float16(float32_values[i])
 
 
 def test_device_conversions_match_numpy_and_ml_dtypes():
