@@ -654,3 +654,23 @@ def test_torch_stream_in_place_and_errors(rng):
         numba_rope.rotary_embedding(torch.from_numpy(x), tc, ts, ti)
     with pytest.raises(TypeError, match="sin_cache is a NumPy array on the host"):
         numba_rope.rotary_embedding(tx, tc, sin, ti)
+
+
+def test_every_kernel_compiles_for_a_real_gpu():
+    """The simulator runs kernels as Python; this compiles them as numba-cuda does for a
+    device (NVVM only, no GPU needed), so typing errors cannot hide until a GPU runs."""
+    env = {
+        **os.environ,
+        "NUMBA_ENABLE_CUDASIM": "0",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "compile_for_gpu.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    if result.returncode == 77:
+        pytest.skip(result.stdout.strip())
+    assert result.returncode == 0, result.stdout + result.stderr
