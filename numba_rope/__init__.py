@@ -1,5 +1,5 @@
 """numba_rope: the RotaryEmbedding operator (TensorRT / ONNX opset 23), exact and fast,
-on the CPU with Numba.
+on the CPU and on NVIDIA GPUs, with Numba.
 
 ``numba_rope.rotary_embedding`` is the operator; ``numba_rope.reference.rotary_embedding``
 is its plain NumPy float64 oracle.

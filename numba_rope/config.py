@@ -18,3 +18,13 @@ CHUNKS_PER_THREAD: int = 4
 #: Threads per block of the CUDA kernels. Tests shrink it so that tiny inputs span
 #: several blocks in the CUDA simulator.
 CUDA_THREADS_PER_BLOCK: int = 256
+
+#: Heads each CUDA thread rotates for its pair: the position id, the cache reads and the
+#: index arithmetic are shared by them, and all their loads are issued before the first
+#: store (more bytes in flight per thread). Compiled into the kernel: each value gets its
+#: own compilation.
+CUDA_HEADS_PER_THREAD: int = 4
+
+#: Most blocks per grid dimension; larger inputs are covered by grid-stride loops.
+#: 65535 is the hardware limit on the y dimension. Tests shrink it to exercise the loops.
+CUDA_MAX_BLOCKS: int = 65535

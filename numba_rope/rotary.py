@@ -17,6 +17,8 @@ def rotary_embedding(
     interleaved: bool = False,
     rotary_embedding_dim: int = 0,
     out: Any = None,
+    stream: Any = None,
+    check_position_ids: bool = True,
 ) -> Any:
     """Rotary position embedding, as TensorRT's ``RotaryEmbedding`` layer and ONNX
     ``RotaryEmbedding`` (opset 23) define it.
@@ -45,12 +47,22 @@ def rotary_embedding(
     out : array, optional
         Where to write the result: same shape and dtype as ``input``. May be ``input``
         itself (in place). It is left untouched when the call raises.
+    stream : optional
+        GPU arrays only (ignored for NumPy arrays): the CUDA stream to run on, as a numba
+        stream, a ``torch.cuda.Stream``, a ``cupy.cuda.Stream`` or a raw handle. Default:
+        torch's current stream for torch tensors, CuPy's for CuPy arrays, else Numba's
+        default stream.
+    check_position_ids : bool, default True
+        GPU arrays only: False skips the range check of ``position_ids`` (a small kernel
+        and one synchronization); tokens with an out-of-range id then get a row of NaN
+        instead of an ``IndexError``. On the CPU ids are always checked.
 
     Returns
     -------
     array
-        ``out`` if given, else a new C-contiguous array of the input's type, shape and
-        dtype.
+        ``out`` if given, else a new C-contiguous array of the input's type (NumPy, CuPy,
+        Numba device array or torch tensor), shape and dtype, on the input's device. On
+        the GPU the call returns without waiting for the kernel.
 
     Notes
     -----
@@ -63,8 +75,9 @@ def rotary_embedding(
     Raises
     ------
     TypeError
-        Arguments that are not arrays, unsupported dtypes, cache dtypes that differ or
-        do not fit the input, non-integer ``position_ids``, ``out`` of another dtype.
+        Arguments that are not arrays, arrays on different devices, unsupported dtypes,
+        cache dtypes that differ or do not fit the input, non-integer ``position_ids``,
+        ``out`` of another dtype.
     ValueError
         Input not 4-D, odd or out-of-range ``rotary_embedding_dim``, caches,
         ``position_ids`` or ``out`` of the wrong shape.
@@ -83,7 +96,7 @@ def rotary_embedding(
     array([[ 1.,  1.,  1.,  1.],
            [-1.,  1.,  1.,  1.]], dtype=float32)
     """
-    backend = _dispatch.backend_for(input, cos_cache, sin_cache, position_ids, out)
+    backend = _dispatch.backend_for(input, cos_cache, sin_cache, position_ids, out, stream)
     describe = backend.describe
     interleaved, rotary_dim = check_call(
         *describe(input),
@@ -94,4 +107,6 @@ def rotary_embedding(
         interleaved,
         rotary_embedding_dim,
     )
-    return backend.run(input, cos_cache, sin_cache, position_ids, out, interleaved, rotary_dim)
+    return backend.run(
+        input, cos_cache, sin_cache, position_ids, out, interleaved, rotary_dim, check_position_ids
+    )

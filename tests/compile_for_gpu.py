@@ -1,0 +1,96 @@
+"""Compile every CUDA kernel variant to PTX for a real GPU, without a GPU.
+
+The CUDA simulator runs kernels as Python, so it never type-checks them the way
+numba-cuda does for a device. This script does, with NVVM alone (a CUDA toolkit's
+libnvvm and libdevice; no driver, no GPU): it compiles each specialisation that
+``rotary_embedding`` can launch for compute capability 9.0. Run by
+``tests/test_rotary_cuda.py`` in a subprocess (the simulator must be off); exit code 77
+means the toolkit is missing.
+
+Three numba-cuda internals that otherwise ask the driver are replaced, for this process
+only: the current device's compute capability (for device functions), the architecture
+lookup through NVRTC, and NVRTC's path.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types as builtin_types
+
+SKIP = 77
+
+
+def _patch_numba_cuda() -> None:
+    import numba.cuda.cuda_paths as cuda_paths
+    import numba.cuda.cudadrv.nvrtc as nvrtc
+    import numba.cuda.dispatcher as dispatcher
+
+    device = builtin_types.SimpleNamespace(compute_capability=(9, 0))
+    dispatcher.get_current_device = lambda: device
+    nvrtc.get_arch_option = lambda major, minor: f"compute_{major}{minor}"
+    cuda_paths._get_nvrtc_path = lambda: cuda_paths._env_path_tuple("none", None)
+
+
+def main() -> int:
+    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") != "0":
+        print("the CUDA simulator is on: nothing to compile")
+        return SKIP
+    from numba import cuda, types
+
+    _patch_numba_cuda()
+    from numba_rope import _cuda
+
+    storage = {
+        "float32": types.float32,
+        "float16": types.float16,
+        "bfloat16": types.uint16,
+        "float64": types.float64,
+    }
+    pairs = [
+        ("float32", "float32"),
+        ("float16", "float16"),
+        ("float16", "float32"),
+        ("bfloat16", "bfloat16"),
+        ("bfloat16", "float32"),
+        ("float64", "float64"),
+        ("float64", "float32"),
+    ]
+    compiled = 0
+    try:
+        variants = [(pair, ids) for pair in pairs for ids in (types.int64, None)]
+        variants += [(("float32", "float32"), types.int32), (("bfloat16", "float32"), types.uint8)]
+        for (input_dtype, cache_dtype), ids in variants:
+            kernel = _cuda._make_rope_kernel(input_dtype, cache_dtype, ids is not None, 4)
+            x = types.Array(storage[input_dtype], 4, "A")
+            cache = types.Array(storage[cache_dtype], 2 if ids is not None else 3, "A")
+            position_ids = types.Array(ids, 2, "A") if ids is not None else cache
+            signature = (x, cache, cache, position_ids, x, types.boolean, types.int64, types.int64)
+            cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
+            compiled += 1
+        for ids in (types.int64, types.uint64, types.int32):
+            flag = types.Array(types.int64, 1, "C")
+            cuda.compile_ptx(
+                _cuda._first_bad_position_cuda.py_func,
+                (types.Array(ids, 2, "A"), types.int64, flag),
+                cc=(9, 0),
+            )
+            compiled += 1
+        for dtype in storage.values():
+            array = types.Array(dtype, 4, "A")
+            cuda.compile_ptx(_cuda._copy_cuda.py_func, (array, array), cc=(9, 0))
+            compiled += 1
+    except Exception as error:
+        text = f"{type(error).__name__}: {error}"
+        if compiled == 0 and any(
+            word in text.lower() for word in ("nvvm", "libdevice", "cuda_home")
+        ):
+            print(f"no CUDA toolkit to compile with: {text}")
+            return SKIP
+        raise
+    print(f"compiled {compiled} kernels for sm_90")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
