@@ -1,0 +1,739 @@
+"""rope_cache: each scaling scheme against a float64 oracle written here, one frequency
+and one position at a time with ``math`` (the module is vectorised NumPy); properties
+of the schemes; the single rounding; every error.
+
+The oracles follow the formulas of Hugging Face transformers' RoPE initialisers
+(``transformers/modeling_rope_utils.py``), which the module docstring states too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from oracles import BFLOAT16, DTYPES, assert_bitwise_equal, float32_contract, ulp_of
+
+import numba_rope
+from numba_rope import reference
+
+EPS64 = 2.0**-52
+DTYPE_IDS = [d.name for d in DTYPES]
+
+# --------------------------------------------------------------------------- oracles
+
+
+def default_frequencies(rotary_dim, base):
+    return [1.0 / math.pow(base, (2 * i) / rotary_dim) for i in range(rotary_dim // 2)]
+
+
+def linear_frequencies(rotary_dim, base, factor):
+    return [frequency / factor for frequency in default_frequencies(rotary_dim, base)]
+
+
+def dynamic_frequencies(rotary_dim, base, factor, original, seq_len):
+    if seq_len > original:
+        stretch = factor * seq_len / original - (factor - 1)
+        base = base * math.pow(stretch, rotary_dim / (rotary_dim - 2))
+    return default_frequencies(rotary_dim, base)
+
+
+def yarn_dimension(rotary_dim, base, original, rotations):
+    return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def yarn_range(rotary_dim, base, original, beta_fast, beta_slow, truncate=True):
+    low = yarn_dimension(rotary_dim, base, original, beta_fast)
+    high = yarn_dimension(rotary_dim, base, original, beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, rotary_dim - 1)
+
+
+def yarn_frequencies(rotary_dim, base, factor, original, beta_fast=32, beta_slow=1, truncate=True):
+    low, high = yarn_range(rotary_dim, base, original, beta_fast, beta_slow, truncate)
+    if low == high:
+        high += 0.001
+    frequencies = []
+    for i in range(rotary_dim // 2):
+        theta = math.pow(base, (2 * i) / rotary_dim)
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        keep = 1 - ramp  # weight of the extrapolated (unscaled) frequency
+        frequencies.append(1.0 / (factor * theta) * (1 - keep) + 1.0 / theta * keep)
+    return frequencies
+
+
+def yarn_attention(factor, attention_factor=None, mscale=None, mscale_all_dim=None):
+    if attention_factor is not None:
+        return attention_factor
+
+    def m(scale, coefficient=1.0):
+        return 1.0 if scale <= 1 else 0.1 * coefficient * math.log(scale) + 1.0
+
+    if mscale and mscale_all_dim:
+        return m(factor, mscale) / m(factor, mscale_all_dim)
+    return m(factor)
+
+
+def llama3_frequencies(rotary_dim, base, factor, low_freq_factor, high_freq_factor, original):
+    frequencies = []
+    for frequency in default_frequencies(rotary_dim, base):
+        wavelength = 2 * math.pi / frequency
+        if wavelength < original / high_freq_factor:
+            frequencies.append(frequency)
+        elif wavelength > original / low_freq_factor:
+            frequencies.append(frequency / factor)
+        else:
+            s = (original / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            frequencies.append((1 - s) * frequency / factor + s * frequency)
+    return frequencies
+
+
+def oracle_caches(frequencies, max_position, attention_factor=1.0):
+    """float64 cos and sin, one element at a time, and the angles."""
+    cos = np.empty((max_position, len(frequencies)))
+    sin = np.empty_like(cos)
+    angles = np.empty_like(cos)
+    for p in range(max_position):
+        for i, frequency in enumerate(frequencies):
+            angle = p * frequency
+            angles[p, i] = angle
+            cos[p, i] = math.cos(angle) * attention_factor
+            sin[p, i] = math.sin(angle) * attention_factor
+    return cos, sin, angles
+
+
+SIGNIFICAND_BITS = {"float16": 11, "bfloat16": 8, "float32": 24, "float64": 53}
+MIN_EXPONENT = {"float16": -13, "bfloat16": -125, "float32": -125, "float64": -1021}  # frexp's
+
+
+def round_once(values, dtype):
+    """float64 values rounded to nearest even on the grid of ``dtype`` (subnormals
+    included), then stored in ``dtype`` (exactly)."""
+    name = np.dtype(dtype).name
+    _, exponent = np.frexp(values)
+    quantum = np.ldexp(1.0, np.maximum(exponent, MIN_EXPONENT[name]) - SIGNIFICAND_BITS[name])
+    return (np.rint(values / quantum) * quantum).astype(dtype)
+
+
+def one_ulp(values, dtype):
+    name = np.dtype(dtype).name
+    _, exponent = np.frexp(np.abs(values.astype(np.float64)))
+    return np.ldexp(1.0, np.maximum(exponent, MIN_EXPONENT[name]) - SIGNIFICAND_BITS[name])
+
+
+def assert_matches_oracle(scaling, max_position, rotary_dim, base, oracle):
+    """float64 caches within a few float64 ulps of the oracle (the angle's own rounding
+    grows with it), and every dtype within one ulp of the oracle rounded once."""
+    want_cos, want_sin, angles = oracle
+    got_cos, got_sin = numba_rope.rope_cache(
+        max_position, rotary_dim, base=base, scaling=scaling, dtype=np.float64
+    )
+    scale = np.abs(want_cos).max(initial=1.0)
+    tolerance = 8 * EPS64 * (1 + np.abs(angles)) * scale
+    assert np.all(np.abs(got_cos - want_cos) <= tolerance)
+    assert np.all(np.abs(got_sin - want_sin) <= tolerance)
+    for dtype in DTYPES:
+        cos, sin = numba_rope.rope_cache(
+            max_position, rotary_dim, base=base, scaling=scaling, dtype=dtype
+        )
+        for got, want in ((cos, want_cos), (sin, want_sin)):
+            expected = round_once(want, dtype).astype(np.float64)
+            difference = np.abs(got.astype(np.float64) - expected)
+            assert np.all(difference <= one_ulp(expected, dtype)), dtype
+
+
+# -------------------------------------------------------------- schemes against oracles
+
+L, D = 96, 16
+
+
+@pytest.mark.parametrize("base", [10000.0, 500000.0, 2.0])
+@pytest.mark.parametrize("rotary_dim", [2, 16, 64])
+def test_default_matches_oracle(base, rotary_dim):
+    oracle = oracle_caches(default_frequencies(rotary_dim, base), L)
+    for scaling in (None, {"rope_type": "default"}, {"type": "default"}):
+        assert_matches_oracle(scaling, L, rotary_dim, base, oracle)
+
+
+@pytest.mark.parametrize("factor", [2.0, 3.0, 0.5, 1])
+def test_linear_matches_oracle(factor):
+    scaling = {"rope_type": "linear", "factor": factor}
+    assert_matches_oracle(
+        scaling, L, D, 10000.0, oracle_caches(linear_frequencies(D, 1e4, factor), L)
+    )
+
+
+@pytest.mark.parametrize("max_position", [40, 41, 96, 1000])
+@pytest.mark.parametrize("factor", [2.0, 8.0, 1.0])
+def test_dynamic_matches_oracle(factor, max_position):
+    original = 40
+    scaling = {
+        "rope_type": "dynamic",
+        "factor": factor,
+        "original_max_position_embeddings": original,
+    }
+    frequencies = dynamic_frequencies(D, 1e4, factor, original, max_position)
+    assert_matches_oracle(scaling, max_position, D, 1e4, oracle_caches(frequencies, max_position))
+
+
+YARN_CASES = {
+    "defaults": ({"factor": 4.0, "original_max_position_embeddings": 64}, 64, 10000.0),
+    "explicit betas": (
+        {"factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1},
+        128,
+        10000.0,
+    ),
+    "qwen-like": (
+        {"factor": 4.0, "original_max_position_embeddings": 32768},
+        128,
+        1000000.0,
+    ),
+    "no truncation": (
+        {"factor": 16.0, "original_max_position_embeddings": 2048, "truncate": False},
+        64,
+        150000.0,
+    ),
+    "attention factor": (
+        {"factor": 4.0, "original_max_position_embeddings": 512, "attention_factor": 0.75},
+        32,
+        10000.0,
+    ),
+    "deepseek mscale": (
+        {
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+        },
+        64,
+        10000.0,
+    ),
+    "mscale alone is ignored": (
+        {"factor": 4.0, "original_max_position_embeddings": 512, "mscale": 2.0},
+        32,
+        10000.0,
+    ),
+    "zero-width ramp": (
+        {"factor": 2.0, "original_max_position_embeddings": 6, "beta_fast": 1, "beta_slow": 1},
+        16,
+        10000.0,
+    ),
+    "narrow ramp": (
+        {"factor": 2.0, "original_max_position_embeddings": 64, "beta_fast": 4, "beta_slow": 4},
+        16,
+        10000.0,
+    ),
+    "factor one": ({"factor": 1.0, "original_max_position_embeddings": 64}, 16, 10000.0),
+    "nulls mean defaults": (
+        {"factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": None, "mscale": None},
+        16,
+        10000.0,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", YARN_CASES.values(), ids=YARN_CASES.keys())
+def test_yarn_matches_oracle(case):
+    parameters, rotary_dim, base = case
+    given = {key: value for key, value in parameters.items() if value is not None}
+    frequencies = yarn_frequencies(
+        rotary_dim,
+        base,
+        given["factor"],
+        given["original_max_position_embeddings"],
+        given.get("beta_fast", 32),
+        given.get("beta_slow", 1),
+        given.get("truncate", True),
+    )
+    attention = yarn_attention(
+        given["factor"],
+        given.get("attention_factor"),
+        given.get("mscale"),
+        given.get("mscale_all_dim"),
+    )
+    oracle = oracle_caches(frequencies, L, attention)
+    assert_matches_oracle({"rope_type": "yarn", **parameters}, L, rotary_dim, base, oracle)
+
+
+def test_yarn_equal_mscales_cancel():
+    """DeepSeek-V3's configuration: mscale == mscale_all_dim, attention factor 1."""
+    cos, _ = numba_rope.rope_cache(
+        2,
+        4,
+        scaling={
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+        dtype=np.float64,
+    )
+    assert cos[0, 0] == 1.0
+
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@pytest.mark.parametrize(
+    ("rotary_dim", "base", "changes"),
+    [
+        (128, 500000.0, {}),  # Llama 3.1
+        (64, 500000.0, {"factor": 32.0, "original_max_position_embeddings": 8192}),  # 3.2
+        (32, 10000.0, {"original_max_position_embeddings": 64, "low_freq_factor": 2}),
+    ],
+)
+def test_llama3_matches_oracle(rotary_dim, base, changes):
+    scaling = {**LLAMA3, **changes}
+    frequencies = llama3_frequencies(
+        rotary_dim,
+        base,
+        scaling["factor"],
+        scaling["low_freq_factor"],
+        scaling["high_freq_factor"],
+        scaling["original_max_position_embeddings"],
+    )
+    assert_matches_oracle(scaling, L, rotary_dim, base, oracle_caches(frequencies, L))
+
+
+# ------------------------------------------------------------------------- properties
+
+SCHEMES = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 50},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 50},
+    "llama3": {**LLAMA3, "original_max_position_embeddings": 50},
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("scaling", SCHEMES.values(), ids=SCHEMES.keys())
+def test_shape_dtype_layout(scaling, dtype):
+    cos, sin = numba_rope.rope_cache(200, 24, scaling=scaling, dtype=dtype)
+    for cache in (cos, sin):
+        assert type(cache) is np.ndarray
+        assert cache.shape == (200, 12)
+        assert cache.dtype == dtype
+        assert cache.flags.c_contiguous and cache.flags.writeable and cache.flags.owndata
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("scaling", SCHEMES.values(), ids=SCHEMES.keys())
+def test_rounded_once_from_float64(scaling, dtype):
+    """Each dtype is the float64 cache rounded once, to nearest even: bit for bit."""
+    wide = numba_rope.rope_cache(300, 32, scaling=scaling, dtype=np.float64)
+    narrow = numba_rope.rope_cache(300, 32, scaling=scaling, dtype=dtype)
+    for got, values in zip(narrow, wide, strict=True):
+        assert_bitwise_equal(got, round_once(values, dtype))
+
+
+def test_bfloat16_is_not_rounded_twice():
+    """ml_dtypes rounds float64 to bfloat16 through float32 (twice); we must not."""
+    from numba_rope.cache import _round_to_bfloat16
+
+    halfway = 1 + 2.0**-8  # between the bfloat16 neighbours 1 and 1 + 2**-7
+    values = np.array([halfway + 2.0**-30, halfway - 2.0**-30, halfway, -halfway - 2.0**-40])
+    got = _round_to_bfloat16(values).astype(np.float64)
+    assert got.tolist() == [1 + 2.0**-7, 1.0, 1.0, -(1 + 2.0**-7)]
+    assert values.astype(BFLOAT16)[0] == 1.0  # the double rounding this avoids
+
+    rng = np.random.default_rng(7)
+    samples = np.concatenate(
+        [
+            rng.standard_normal(20000) * np.exp2(rng.integers(-140, 120, 20000)),
+            np.array([0.0, -0.0, 2.0**-133, 2.0**-134, 3 * 2.0**-135, 2.0**-149, 1e-300]),
+        ]
+    )
+    assert_bitwise_equal(_round_to_bfloat16(samples), round_once(samples, BFLOAT16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("scaling", SCHEMES.values(), ids=SCHEMES.keys())
+def test_pythagoras(scaling, dtype):
+    attention = yarn_attention(4.0) if scaling and scaling["rope_type"] == "yarn" else 1.0
+    cos, sin = (
+        c.astype(np.float64) for c in numba_rope.rope_cache(500, 64, scaling=scaling, dtype=dtype)
+    )
+    tolerance = 4 * ulp_of(dtype) * attention**2
+    assert np.all(np.abs(cos**2 + sin**2 - attention**2) <= tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("scaling", SCHEMES.values(), ids=SCHEMES.keys())
+def test_position_zero(scaling, dtype):
+    cos, sin = numba_rope.rope_cache(3, 10, scaling=scaling, dtype=dtype)
+    attention = yarn_attention(4.0) if scaling and scaling["rope_type"] == "yarn" else 1.0
+    assert_bitwise_equal(cos[0], round_once(np.full(5, attention), dtype))
+    assert_bitwise_equal(sin[0], np.zeros(5, dtype))
+
+
+def test_linear_is_default_at_positions_over_factor():
+    default_cos, default_sin = numba_rope.rope_cache(50, 32, dtype=np.float64)
+    # A power of two divides exactly: row 4p of linear is row p of the default, bit for bit.
+    cos, sin = numba_rope.rope_cache(
+        200, 32, scaling={"rope_type": "linear", "factor": 4.0}, dtype=np.float64
+    )
+    assert_bitwise_equal(cos[::4], default_cos)
+    assert_bitwise_equal(sin[::4], default_sin)
+    # Any factor: cos((p / f) * inv_freq), within the rounding of the angle.
+    factor = 3.0
+    cos, sin = numba_rope.rope_cache(
+        300, 32, scaling={"rope_type": "linear", "factor": factor}, dtype=np.float64
+    )
+    frequencies = default_frequencies(32, 10000.0)
+    for p in range(300):
+        for i, frequency in enumerate(frequencies):
+            angle = (p / factor) * frequency
+            tolerance = 8 * EPS64 * (1 + angle)
+            assert abs(cos[p, i] - math.cos(angle)) <= tolerance
+            assert abs(sin[p, i] - math.sin(angle)) <= tolerance
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("max_position", [0, 1, 100, 4096])
+def test_dynamic_within_original_context_is_default(max_position, dtype):
+    scaling = {"rope_type": "dynamic", "factor": 3.5, "original_max_position_embeddings": 4096}
+    got = numba_rope.rope_cache(max_position, 64, scaling=scaling, dtype=dtype)
+    want = numba_rope.rope_cache(max_position, 64, dtype=dtype)
+    for g, w in zip(got, want, strict=True):
+        assert_bitwise_equal(g, w)
+
+
+def test_dynamic_beyond_original_context_slows_rotation():
+    scaling = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64}
+    default_cos, default_sin = numba_rope.rope_cache(65, 16, dtype=np.float64)
+    cos, sin = numba_rope.rope_cache(65, 16, scaling=scaling, dtype=np.float64)
+    # The first frequency is base**0 = 1 whatever the base; the others all slow down.
+    assert_bitwise_equal(cos[:, 0], default_cos[:, 0])
+    angles = np.arctan2(sin[1], cos[1])
+    default_angles = np.arctan2(default_sin[1], default_cos[1])
+    assert np.all(angles[1:] < default_angles[1:])
+
+
+def llama3_bands(rotary_dim, base, scaling):
+    n = scaling["original_max_position_embeddings"]
+    wavelengths = [2 * math.pi / f for f in default_frequencies(rotary_dim, base)]
+    high = [i for i, w in enumerate(wavelengths) if w < n / scaling["high_freq_factor"]]
+    low = [i for i, w in enumerate(wavelengths) if w > n / scaling["low_freq_factor"]]
+    return high, low
+
+
+def test_llama3_keeps_high_frequencies_and_divides_low_ones():
+    rotary_dim, base = 128, 500000.0
+    high, low = llama3_bands(rotary_dim, base, LLAMA3)
+    assert high and low and len(high) + len(low) < rotary_dim // 2  # all three bands
+    default = numba_rope.rope_cache(50, rotary_dim, base=base, dtype=np.float64)
+    llama = numba_rope.rope_cache(400, rotary_dim, base=base, scaling=LLAMA3, dtype=np.float64)
+    for got, want in zip(llama, default, strict=True):
+        # Unchanged high frequencies: the same columns, bit for bit.
+        assert_bitwise_equal(
+            np.ascontiguousarray(got[:50, high]), np.ascontiguousarray(want[:, high])
+        )
+        # Low frequencies divided by the factor 8 (a power of two, exact): row 8p is row p.
+        assert_bitwise_equal(
+            np.ascontiguousarray(got[::8, low]), np.ascontiguousarray(want[:, low])
+        )
+
+
+def test_yarn_extrapolates_fast_dimensions_and_interpolates_slow_ones():
+    rotary_dim, base, original = 64, 10000.0, 4096
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": original}
+    attention = yarn_attention(4.0)
+    low, high = yarn_range(rotary_dim, base, original, 32, 1)
+    assert 0 < low < high < rotary_dim // 2
+    default_cos, default_sin = numba_rope.rope_cache(50, rotary_dim, dtype=np.float64)
+    cos, sin = numba_rope.rope_cache(200, rotary_dim, scaling=scaling, dtype=np.float64)
+    fast, slow = slice(0, low + 1), slice(high, None)
+    for got, want in ((cos, default_cos), (sin, default_sin)):
+        assert_bitwise_equal(np.ascontiguousarray(got[:50, fast]), want[:, fast] * attention)
+        assert_bitwise_equal(np.ascontiguousarray(got[::4, slow]), want[:, slow] * attention)
+
+
+def test_accepts_numpy_scalars_and_mappings():
+    from types import MappingProxyType
+
+    scaling = MappingProxyType({"rope_type": "linear", "factor": np.float32(2.0)})
+    got = numba_rope.rope_cache(np.int64(10), np.int32(8), base=np.float64(10000), scaling=scaling)
+    want = numba_rope.rope_cache(10, 8, scaling={"rope_type": "linear", "factor": 2.0})
+    for g, w in zip(got, want, strict=True):
+        assert_bitwise_equal(g, w)
+    for dtype in ("float16", np.dtype(np.float16), np.float16):
+        assert numba_rope.rope_cache(2, 4, dtype=dtype)[0].dtype == np.float16
+    assert numba_rope.rope_cache(2, 4, dtype=ml_dtypes.bfloat16)[0].dtype == BFLOAT16
+    big_endian = numba_rope.rope_cache(2, 4, dtype=">f4")[0]
+    assert big_endian.dtype == np.float32 and big_endian.dtype.isnative
+    # transformers' former key name for the type.
+    legacy = numba_rope.rope_cache(10, 8, scaling={"type": "linear", "factor": 2.0})
+    for g, w in zip(legacy, want, strict=True):
+        assert_bitwise_equal(g, w)
+
+
+def test_empty_cache():
+    cos, sin = numba_rope.rope_cache(0, 8, scaling=SCHEMES["yarn"])
+    assert cos.shape == sin.shape == (0, 4)
+    assert cos.flags.c_contiguous
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_caches_drive_rotary_embedding(rng, dtype, interleaved):
+    batch, heads, seq_len, head_size, rotary_dim = 2, 3, 7, 24, 16
+    x = rng.standard_normal((batch, heads, seq_len, head_size)).astype(dtype)
+    ids = rng.integers(0, 300, size=(batch, seq_len))
+    cos, sin = numba_rope.rope_cache(300, rotary_dim, scaling=SCHEMES["yarn"], dtype=dtype)
+    got = numba_rope.rotary_embedding(
+        x, cos, sin, ids, interleaved=interleaved, rotary_embedding_dim=rotary_dim
+    )
+    assert_bitwise_equal(got, float32_contract(x, cos, sin, ids, interleaved, rotary_dim))
+    want = reference.rotary_embedding(
+        x, cos, sin, ids, interleaved=interleaved, rotary_embedding_dim=rotary_dim
+    )
+    scale = np.abs(x.astype(np.float64)).max() * 2 * yarn_attention(4.0)
+    assert np.allclose(
+        got.astype(np.float64), want.astype(np.float64), rtol=0, atol=4 * ulp_of(dtype) * scale
+    )
+
+
+# ----------------------------------------------------------------------------- errors
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+ERRORS = {
+    # arguments
+    "max_position negative": ({"max_position": -1}, ValueError, ["max_position", ">= 0", "-1"]),
+    "max_position float": ({"max_position": 10.0}, TypeError, ["max_position", "integer", "float"]),
+    "max_position bool": ({"max_position": True}, TypeError, ["max_position", "integer"]),
+    "rotary_dim odd": ({"rotary_dim": 7}, ValueError, ["rotary_dim", "even", "7"]),
+    "rotary_dim zero": ({"rotary_dim": 0}, ValueError, ["rotary_dim", "positive and even", "0"]),
+    "rotary_dim negative": ({"rotary_dim": -4}, ValueError, ["rotary_dim", ">= 0", "-4"]),
+    "rotary_dim string": ({"rotary_dim": "8"}, TypeError, ["rotary_dim", "integer", "str"]),
+    "base zero": ({"base": 0.0}, ValueError, ["base", "> 0", "0.0"]),
+    "base negative": ({"base": -10.0}, ValueError, ["base", "> 0", "-10.0"]),
+    "base infinite": ({"base": math.inf}, ValueError, ["base", "finite", "inf"]),
+    "base nan": ({"base": math.nan}, ValueError, ["base", "finite", "nan"]),
+    "base string": ({"base": "10000"}, TypeError, ["base", "real number", "str"]),
+    "dtype int": ({"dtype": np.int32}, TypeError, ["dtype", "float32, float16, bfloat16, float64"]),
+    "dtype complex": ({"dtype": "complex64"}, TypeError, ["dtype", "float32, float16, bfloat16"]),
+    "dtype None": ({"dtype": None}, TypeError, ["dtype", "float32, float16, bfloat16", "None"]),
+    "dtype nonsense": ({"dtype": "floaty"}, TypeError, ["dtype", "floaty", "bfloat16"]),
+    "scaling list": (
+        {"scaling": [("rope_type", "linear")]},
+        TypeError,
+        ["scaling", "dict", "list"],
+    ),
+    "scaling string": ({"scaling": "linear"}, TypeError, ["scaling", "dict", "str"]),
+    # rope types
+    "unknown type": (
+        {"scaling": {"rope_type": "longrope", "factor": 2.0}},
+        ValueError,
+        ["longrope", "'default', 'linear', 'dynamic', 'yarn', 'llama3'"],
+    ),
+    "type not a string": (
+        {"scaling": {"rope_type": 3}},
+        ValueError,
+        ["3", "'default', 'linear', 'dynamic', 'yarn', 'llama3'"],
+    ),
+    "no type": (
+        {"scaling": {"factor": 2.0}},
+        ValueError,
+        ["'rope_type'", "'linear'", "factor"],
+    ),
+    "conflicting type keys": (
+        {"scaling": {"rope_type": "linear", "type": "dynamic", "factor": 2.0}},
+        ValueError,
+        ["'linear'", "'dynamic'"],
+    ),
+    # missing parameters
+    "linear without factor": (
+        {"scaling": {"rope_type": "linear"}},
+        ValueError,
+        ["missing 'factor'", "rope_type, factor"],
+    ),
+    "linear factor None": (
+        {"scaling": {"rope_type": "linear", "factor": None}},
+        ValueError,
+        ["missing 'factor'"],
+    ),
+    "dynamic without original": (
+        {"scaling": {"rope_type": "dynamic", "factor": 2.0}},
+        ValueError,
+        ["'dynamic'", "missing 'original_max_position_embeddings'"],
+    ),
+    "yarn without anything": (
+        {"scaling": {"rope_type": "yarn"}},
+        ValueError,
+        ["missing 'factor', 'original_max_position_embeddings'", "optionally beta_fast"],
+    ),
+    "llama3 without band factors": (
+        {
+            "scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "original_max_position_embeddings": 8192,
+            }
+        },
+        ValueError,
+        ["missing 'low_freq_factor', 'high_freq_factor'"],
+    ),
+    # unknown keys
+    "typo in key": (
+        {"scaling": {"rope_type": "linear", "factr": 2.0}},
+        ValueError,
+        ["unknown key 'factr'", "accepted keys: rope_type, factor"],
+    ),
+    "typo next to a good key": (
+        {"scaling": {**YARN, "beta_fats": 16}},
+        ValueError,
+        ["'beta_fats'", "beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim, truncate"],
+    ),
+    "key of another type": (
+        {"scaling": {"rope_type": "linear", "factor": 2.0, "low_freq_factor": 1.0}},
+        ValueError,
+        ["'low_freq_factor'", "'linear'"],
+    ),
+    "default with factor": (
+        {"scaling": {"rope_type": "default", "factor": 2.0}},
+        ValueError,
+        ["unknown key 'factor'", "accepted keys: rope_type"],
+    ),
+    "rope_theta in scaling": (
+        {"scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+        ValueError,
+        ["'rope_theta'", "base="],
+    ),
+    # parameter values
+    "linear factor zero": (
+        {"scaling": {"rope_type": "linear", "factor": 0.0}},
+        ValueError,
+        ["factor", "> 0", "0.0"],
+    ),
+    "linear factor string": (
+        {"scaling": {"rope_type": "linear", "factor": "2"}},
+        TypeError,
+        ["factor", "real number", "str"],
+    ),
+    "linear factor bool": (
+        {"scaling": {"rope_type": "linear", "factor": True}},
+        TypeError,
+        ["factor", "real number", "bool"],
+    ),
+    "dynamic factor below one": (
+        {"scaling": {"rope_type": "dynamic", "factor": 0.5, "original_max_position_embeddings": 8}},
+        ValueError,
+        ["dynamic scaling factor", ">= 1", "0.5"],
+    ),
+    "dynamic original zero": (
+        {"scaling": {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 0}},
+        ValueError,
+        ["original_max_position_embeddings", ">= 1", "0"],
+    ),
+    "dynamic original float": (
+        {
+            "scaling": {
+                "rope_type": "dynamic",
+                "factor": 2.0,
+                "original_max_position_embeddings": 8.5,
+            }
+        },
+        TypeError,
+        ["original_max_position_embeddings", "integer", "8.5"],
+    ),
+    "dynamic two channels": (
+        {
+            "rotary_dim": 2,
+            "scaling": {
+                "rope_type": "dynamic",
+                "factor": 2.0,
+                "original_max_position_embeddings": 8,
+            },
+        },
+        ValueError,
+        ["dynamic", "rotary_dim >= 4", "2"],
+    ),
+    "yarn factor below one": (
+        {"scaling": {**YARN, "factor": 0.5}},
+        ValueError,
+        ["yarn factor", ">= 1"],
+    ),
+    "yarn betas reversed": (
+        {"scaling": {**YARN, "beta_fast": 1, "beta_slow": 32}},
+        ValueError,
+        ["beta_fast must be >= beta_slow", "beta_fast=1", "beta_slow=32"],
+    ),
+    "yarn beta zero": ({"scaling": {**YARN, "beta_slow": 0}}, ValueError, ["beta_slow", "> 0"]),
+    "yarn attention factor negative": (
+        {"scaling": {**YARN, "attention_factor": -1.0}},
+        ValueError,
+        ["attention_factor", "> 0", "-1.0"],
+    ),
+    "yarn truncate string": (
+        {"scaling": {**YARN, "truncate": "yes"}},
+        TypeError,
+        ["truncate", "True or False", "'yes'"],
+    ),
+    "yarn base one": (
+        {"base": 1.0, "scaling": YARN},
+        ValueError,
+        ["yarn", "base != 1", "log(base)"],
+    ),
+    "yarn mscale degenerate": (
+        {"scaling": {**YARN, "mscale": 1.0, "mscale_all_dim": -20 / math.log(4.0)}},
+        ValueError,
+        ["mscale=1.0", "mscale_all_dim=", "both must be > 0"],
+    ),
+    "llama3 bands reversed": (
+        {"scaling": {**LLAMA3, "low_freq_factor": 4.0, "high_freq_factor": 1.0}},
+        ValueError,
+        ["high_freq_factor must be > low_freq_factor", "4.0", "1.0"],
+    ),
+    "llama3 equal bands": (
+        {"scaling": {**LLAMA3, "low_freq_factor": 2.0, "high_freq_factor": 2.0}},
+        ValueError,
+        ["high_freq_factor must be > low_freq_factor"],
+    ),
+    "llama3 factor infinite": (
+        {"scaling": {**LLAMA3, "factor": math.inf}},
+        ValueError,
+        ["llama3 factor", "finite", "inf"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ERRORS.values(), ids=ERRORS.keys())
+def test_errors_state_the_rule_and_what_is_accepted(case):
+    changes, exception, fragments = case
+    arguments = {"max_position": 16, "rotary_dim": 8, **changes}
+    max_position, rotary_dim = arguments.pop("max_position"), arguments.pop("rotary_dim")
+    with pytest.raises(exception) as raised:
+        numba_rope.rope_cache(max_position, rotary_dim, **arguments)
+    message = str(raised.value)
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+def test_scaling_argument_is_not_modified():
+    scaling = {
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "mscale": None,
+    }
+    before = dict(scaling)
+    numba_rope.rope_cache(4, 8, scaling=scaling)
+    assert scaling == before
+
+
+def test_exported():
+    assert "rope_cache" in numba_rope.__all__
+    assert numba_rope.rope_cache.__doc__
