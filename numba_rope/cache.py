@@ -14,9 +14,10 @@ import operator
 from collections.abc import Mapping
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import numpy.typing as npt
+
+from numba_rope._rounding import round_once
 
 #: Scaling schemes, by their ``rope_type``.
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -324,28 +325,6 @@ _FREQUENCIES = {
 # ---------------------------------------------------------------------------- rounding
 
 
-def _round_to_bfloat16(values: np.ndarray) -> np.ndarray:
-    """float64 -> bfloat16, rounded once to nearest even.
-
-    ``ml_dtypes`` converts float64 through float32, rounding twice (1 + 2**-8 + 2**-30
-    becomes 1, not 1 + 2**-7). Rounding to float32 *to odd* first (truncate, then set the
-    last bit when anything was dropped) keeps the information the second rounding
-    needs, so the result is the correctly rounded one.
-    """
-    narrowed = values.astype(np.float32)
-    widened = narrowed.astype(np.float64)
-    bits = narrowed.view(np.uint32)
-    bits[np.abs(widened) > np.abs(values)] -= 1  # one step toward zero: truncation
-    bits[widened != values] |= 1
-    return narrowed.astype(ml_dtypes.bfloat16)
-
-
-def _round_once(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    if dtype.name == "bfloat16":
-        return _round_to_bfloat16(values)
-    return values.astype(dtype)  # float64 -> float32 / float16 rounds once in NumPy
-
-
 # ------------------------------------------------------------------------------ public
 
 
@@ -478,4 +457,4 @@ def rope_cache(
     if attention_factor != 1.0:
         cos *= attention_factor
         sin *= attention_factor
-    return _round_once(cos, dtype), _round_once(sin, dtype)
+    return round_once(cos, dtype), round_once(sin, dtype)

@@ -340,7 +340,10 @@ def test_rounded_once_from_float64(scaling, dtype):
 
 def test_bfloat16_is_not_rounded_twice():
     """ml_dtypes rounds float64 to bfloat16 through float32 (twice); we must not."""
-    from numba_rope.cache import _round_to_bfloat16
+    from numba_rope._rounding import round_once as library_round_once
+
+    def _round_to_bfloat16(values):
+        return library_round_once(values, BFLOAT16)
 
     halfway = 1 + 2.0**-8  # between the bfloat16 neighbours 1 and 1 + 2**-7
     values = np.array([halfway + 2.0**-30, halfway - 2.0**-30, halfway, -halfway - 2.0**-40])
@@ -737,3 +740,30 @@ def test_scaling_argument_is_not_modified():
 def test_exported():
     assert "rope_cache" in numba_rope.__all__
     assert numba_rope.rope_cache.__doc__
+
+
+def test_reference_rounds_bfloat16_once():
+    """The operator's float64 reference rounds its bfloat16 results once, too."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((1, 1, 64, 32)).astype(BFLOAT16)
+    # float32 caches carry more bits than bfloat16, so x1*cos - x2*sin in float64 is
+    # rarely a float32: this is where rounding through float32 would go wrong.
+    angles = rng.uniform(-3, 3, size=(1, 64, 16))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    got = numba_rope.reference.rotary_embedding(x, cos, sin)
+    x64 = x.astype(np.float64)
+    c, s = cos.astype(np.float64)[:, None], sin.astype(np.float64)[:, None]
+    x1, x2 = x64[..., :16], x64[..., 16:]
+    exact = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    assert_bitwise_equal(got, round_once(exact, BFLOAT16))
+
+
+def test_reference_bfloat16_halfway_case():
+    # x1*cos = 0.37988281657... lies just above 0.3798828125, the midpoint between the
+    # bfloat16 neighbours 0.37890625 and 0.380859375; rounded to float32 first it would
+    # land on the midpoint and then round (to even) down.
+    x = np.array([[[[-1.7109375, 0.0]]]]).astype(BFLOAT16)
+    cos = np.array([[[-0.22203196585178375]]], dtype=np.float32)
+    sin = np.zeros((1, 1, 1), np.float32)
+    got = numba_rope.reference.rotary_embedding(x, cos, sin)
+    assert float(got[0, 0, 0, 0]) == 0.380859375
