@@ -375,6 +375,12 @@ class CudaTarget:
     name = "cuda"
 
     def __init__(self):
+        if numba.config.ENABLE_CUDASIM:
+            raise Unavailable(
+                "NUMBA_ENABLE_CUDASIM=1: the CUDA simulator runs on the CPU, its times mean "
+                "nothing; unset it to benchmark a GPU",
+                everywhere=True,
+            )
         if importlib.util.find_spec("numba.cuda") is None:  # pragma: no cover
             raise Unavailable("numba-cuda is not installed", everywhere=True)
         from numba import cuda
