@@ -390,7 +390,14 @@ class CudaTarget:
         self.cuda = cuda
 
     def put(self, array):
-        return None if array is None else self.cuda.to_device(np.ascontiguousarray(array))
+        if array is None:
+            return None
+        try:
+            return self.cuda.to_device(np.ascontiguousarray(array))
+        except Exception as error:  # e.g. a dtype numba-cuda cannot hold
+            raise Unavailable(
+                f"numba-cuda cannot copy a {array.dtype.name} array to the GPU: {error}"
+            ) from None
 
     def empty_like(self, array):
         return self.cuda.device_array(array.shape, dtype=array.dtype)
@@ -567,14 +574,18 @@ def _torch_to_numpy(torch: Any, tensor: Any) -> np.ndarray:
     return tensor.numpy()
 
 
+def _no_synchronization() -> None:
+    pass
+
+
 def _torch(case: Case, tgt: Any, threads: int) -> Prepared:
     if importlib.util.find_spec("torch") is None:
         raise Unavailable("torch is not installed", everywhere=True)
     import torch
 
+    synchronize: Callable[[], object] = _no_synchronization
     if tgt.name == "cpu":
         torch.set_num_threads(threads)
-        synchronize: Callable[[], object] = lambda: None  # noqa: E731
     else:
         if not torch.cuda.is_available():
             raise Unavailable("torch has no CUDA device", everywhere=True)
