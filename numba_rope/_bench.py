@@ -963,6 +963,10 @@ def _seconds(value: float | None) -> str:
     return f"{value:.3f} s"
 
 
+def _load(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.2f}"
+
+
 def format_table(report: Report) -> str:
     """The results as a text table, one row per (workload, dtype, implementation)."""
     env = report.environment
@@ -970,7 +974,8 @@ def format_table(report: Report) -> str:
         f"numba_rope {env['numba_rope']} on {report.settings['device']}: numba {env['numba']}, "
         f"numpy {env['numpy']}, {env['numba_threads']} threads "
         f"({env['numba_threading_layer'] or 'no parallel region run'}), "
-        f"median of up to {report.settings['repeats']} samples",
+        f"median of up to {report.settings['repeats']} samples, "
+        f"load average {_load(env.get('load_average_1min'))} at the start",
         "GB/s: input read + output written + distinct cache rows read, over the median; "
         "ratio: median / fastest copy (1.0 = copy speed)",
     ]
