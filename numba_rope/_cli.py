@@ -1,9 +1,10 @@
-"""Command line: ``python -m numba_rope demo``."""
+"""Command line: ``python -m numba_rope demo`` and ``python -m numba_rope bench``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 
@@ -90,10 +91,114 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     demo_parser = commands.add_parser("demo", help="run the specification's example and check it")
     demo_parser.add_argument("--repeats", type=int, default=2000, help="timed calls per dtype")
+    add_bench_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return 0 if demo(args.repeats) else 1
+    if args.command == "bench":
+        return bench(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+def _names(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    """argparse type: a comma-separated list of names from ``allowed``."""
+
+    def parse(text: str) -> list[str]:
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        unknown = [name for name in names if name not in allowed]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: choose from {', '.join(allowed)} (comma-separated)"
+            )
+        return names
+
+    return parse
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def add_bench_parser(commands) -> None:
+    from numba_rope import _bench
+
+    parser = commands.add_parser(
+        "bench",
+        help="time numba_rope against a copy, NumPy, onnxruntime and torch",
+        description=textwrap.fill(
+            "Verify, then time numba_rope next to the bandwidth floor (a copy of the input) "
+            "and the peers that are installed (the specification's NumPy formula, "
+            "onnxruntime, torch eager). Workloads:"
+        )
+        + "\n\n"
+        + _bench.workload_table(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--device", choices=_bench.DEVICES, default="cpu")
+    parser.add_argument(
+        "--dtypes",
+        type=_names(_bench.DTYPES),
+        default=list(_bench.DTYPES),
+        help=f"comma-separated, default {','.join(_bench.DTYPES)}",
+    )
+    parser.add_argument(
+        "--workloads",
+        type=_names(tuple(_bench.WORKLOADS)),
+        default=list(_bench.WORKLOADS),
+        help=f"comma-separated, default {','.join(_bench.WORKLOADS)}",
+    )
+    parser.add_argument(
+        "--threads", type=_positive, default=0, help="numba (and peer) threads; default: numba's"
+    )
+    parser.add_argument(
+        "--repeats", type=_positive, default=None, help="timed samples per row (default 30)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="3 samples and short budgets: a smoke test"
+    )
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    parser.add_argument(
+        "--plot", metavar="FILE.png", help="draw GB/s per workload (needs matplotlib)"
+    )
+
+
+def bench(args: argparse.Namespace) -> int:
+    """Run ``python -m numba_rope bench``: 0 if every check passed, 1 if one failed."""
+    from numba_rope import _bench
+
+    if args.plot:
+        try:
+            _bench.require_matplotlib()
+        except ImportError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+    chosen = {"device": args.device, "dtypes": args.dtypes, "workloads": args.workloads}
+    chosen["threads"] = args.threads
+    settings = _bench.Settings.quick(**chosen) if args.quick else _bench.Settings(**chosen)
+    if args.repeats is not None:
+        settings.repeats = args.repeats
+    try:
+        report = _bench.run(settings)
+    except _bench.Unavailable as why:
+        print(f"error: cannot benchmark on {args.device}: {why}", file=sys.stderr)
+        return 2
+    print(_bench.format_table(report))
+    if args.json:
+        _bench.write_json(report, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        _bench.plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    for failure in report.failed:
+        print(
+            f"FAILED: {failure.implementation} on {failure.workload} {failure.dtype}: "
+            f"{failure.reason}",
+            file=sys.stderr,
+        )
+    return 1 if report.failed else 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,93 @@
+"""asv benchmarks of ``numba_rope.rotary_embedding``.
+
+The workloads, their data and the copy floor come from :mod:`numba_rope._bench` (the
+module behind ``python -m numba_rope bench``), imported from the installed package, so
+the suite and the command always measure the same thing. Parameters: device (cpu,
+cuda), dtype (float32, float16, bfloat16) and workload (see ``_bench.WORKLOADS``).
+
+CUDA combinations are skipped (``NotImplementedError`` in ``setup``, shown as n/a)
+where no GPU is present or where the installed numba_rope does not accept device
+arrays; ``numba.cuda`` is imported only for them. Every timed GPU call synchronizes.
+"""
+
+import numba_rope
+from numba_rope import _bench
+
+
+class _Rope:
+    params = (list(_bench.DEVICES), list(_bench.DTYPES), list(_bench.WORKLOADS))
+    param_names = ("device", "dtype", "workload")
+    timeout = 300
+
+    def setup(self, device, dtype, workload):
+        try:
+            self.target = _bench.target(device)  # before the data: skipping costs nothing
+        except _bench.Unavailable as why:
+            raise NotImplementedError(str(why)) from None
+        self.case = case = _bench.make_case(workload, dtype)
+        put = self.target.put
+        try:
+            self.arguments = (
+                put(case.input),
+                put(case.cos_cache),
+                put(case.sin_cache),
+                put(case.position_ids),
+            )
+        except _bench.Unavailable as why:
+            raise NotImplementedError(str(why)) from None
+        self.options = case.options
+        self.out = self.target.empty_like(self.arguments[0])
+        try:
+            self.rope_out()  # compiles, or loads the compiled kernel from numba's cache
+        except TypeError as error:
+            if device == "cpu":
+                raise
+            raise NotImplementedError(
+                f"numba_rope does not accept {device} arrays: {error}"
+            ) from None
+
+    def rope_out(self):
+        numba_rope.rotary_embedding(*self.arguments, out=self.out, **self.options)
+        self.target.synchronize()
+
+    def rope_alloc(self):
+        result = numba_rope.rotary_embedding(*self.arguments, **self.options)
+        self.target.synchronize()
+        return result
+
+
+class Time(_Rope):
+    """Wall time of one call: into a preallocated ``out``, and allocating the result."""
+
+    def time_rope_out(self, device, dtype, workload):
+        self.rope_out()
+
+    def time_rope_alloc(self, device, dtype, workload):
+        self.rope_alloc()
+
+
+class Memory(_Rope):
+    """Peak resident memory of the process around the allocating call (host only)."""
+
+    def setup(self, device, dtype, workload):
+        if device != "cpu":
+            raise NotImplementedError("peakmem measures host memory, not device memory")
+        super().setup(device, dtype, workload)
+
+    def peakmem_rope_alloc(self, device, dtype, workload):
+        self.rope_alloc()
+
+
+class Bandwidth(_Rope):
+    """Fraction of the copy bandwidth reached: copy time / RoPE time (1.0 = copy speed).
+
+    Both are medians measured here, in the same process and setup: the copy floor is
+    a copy of the input into an array of its shape (numba parallel with numba_rope's
+    threads, or ``np.copyto`` if faster; device to device on the GPU).
+    """
+
+    def track_bandwidth_fraction(self, device, dtype, workload):
+        fraction = _bench.bandwidth_fraction(self.case, self.target, self.rope_out, repeats=15)
+        return round(fraction, 4)
+
+    track_bandwidth_fraction.unit = "copy time / RoPE time"

@@ -1,0 +1,418 @@
+"""The benchmark module, the ``bench`` command and the asv suite."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import numba_rope
+from numba_rope import _bench, _cli, reference
+
+ROOT = Path(__file__).resolve().parent.parent
+ASV_DIR = ROOT / "asv_bench"
+
+
+def gpu_present() -> bool:
+    """A cheap look for an NVIDIA GPU that imports nothing."""
+    return Path("/dev/nvidiactl").exists() or Path("/dev/nvidia0").exists()
+
+
+def subprocess_env() -> dict[str, str]:
+    """This checkout first on the path; no CUDA simulator (it is not a GPU)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+# ------------------------------------------------------------------ workloads and data
+
+
+def test_workloads_are_the_issues():
+    w = _bench.WORKLOADS
+    assert list(w) == ["seed", "prefill", "batch_prefill", "decode", "partial"]
+    assert (w["seed"].shape, w["seed"].cache_shape) == ((2, 8, 4, 512), (100, 256))
+    assert (w["prefill"].shape, w["prefill"].cache_shape) == ((1, 32, 4096, 128), (8192, 64))
+    assert w["prefill"].position_ids == "arange"
+    assert (w["batch_prefill"].shape, w["batch_prefill"].position_ids) == (
+        (8, 32, 1024, 128),
+        "none",
+    )
+    assert w["batch_prefill"].cache_shape == (8, 1024, 64)
+    assert (w["decode"].shape, w["decode"].position_ids) == ((64, 32, 1, 128), "random")
+    assert w["decode"].cache_rows == 8192
+    partial = w["partial"]
+    assert (partial.shape, partial.rotary_dim, partial.interleaved) == (
+        (4, 16, 2048, 128),
+        64,
+        True,
+    )
+    assert partial.cache_shape == (8192, 32) and partial.position_ids == "arange"
+    assert {name for name, x in w.items() if x.batched} == {"seed", "decode"}
+
+
+@pytest.mark.parametrize("name", ["seed", "decode"])
+def test_cases_are_reproducible_with_real_angles(name):
+    case = _bench.make_case(name, "bfloat16")
+    again = _bench.make_case(name, "bfloat16")
+    assert np.array_equal(case.input.view(np.uint16), again.input.view(np.uint16))
+    assert np.array_equal(case.position_ids, again.position_ids)
+    workload = case.workload
+    assert case.input.shape == workload.shape and case.cos_cache.shape == workload.cache_shape
+    cos, sin = case.cos_cache.astype(np.float64), case.sin_cache.astype(np.float64)
+    np.testing.assert_allclose(cos**2 + sin**2, 1.0, atol=2**-6)
+    np.testing.assert_allclose(cos[:, 0], np.cos(np.arange(workload.cache_rows)), atol=2**-8)
+    assert case.position_ids.dtype == np.int64
+    assert 0 <= case.position_ids.min() and case.position_ids.max() < workload.cache_rows
+    if name == "seed":
+        assert case.position_ids.tolist() == [list(r) for r in _bench.SEED_POSITION_IDS]
+
+
+def test_bytes_count_each_distinct_cache_row_once():
+    case = _bench.make_case("seed", "float16")
+    distinct = len({6, 2, 1, 7, 8, 3})
+    assert case.distinct_cache_rows == distinct
+    assert case.copy_bytes == 2 * case.input.nbytes
+    assert case.rope_bytes == 2 * case.input.nbytes + distinct * 2 * 256 * 2
+
+
+def test_spec_formula_numpy_agrees_with_the_reference():
+    for name in ("seed", "decode"):
+        case = _bench.make_case(name, "float32")
+        w = case.workload
+        got = _bench.spec_formula_numpy(
+            case.input, case.cos_cache, case.sin_cache, case.position_ids, False, 0
+        )
+        want = reference.rotary_embedding(
+            case.input, case.cos_cache, case.sin_cache, case.position_ids
+        )
+        assert got.dtype == np.float32 and w.rotary_dim == 0
+        assert _bench.check_output(case, "rope", got, want)[0]
+
+
+def test_spec_formula_numpy_partial_interleaved(rng):
+    x = rng.standard_normal((2, 3, 5, 16)).astype(np.float16)
+    cos, sin = _bench.rope_caches(np.arange(9), 8, np.float16)
+    ids = rng.integers(0, 9, size=(2, 5))
+    got = _bench.spec_formula_numpy(x, cos, sin, ids, True, 8)
+    want = reference.rotary_embedding(x, cos, sin, ids, interleaved=True, rotary_embedding_dim=8)
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), atol=4e-3)
+    assert np.array_equal(got[..., 8:], x[..., 8:])
+
+
+# --------------------------------------------------------------------- verification
+
+
+def _wrong_sign(case, target, threads):
+    """RoPE with the sine's sign flipped: a plausible, wrong implementation."""
+    w = case.workload
+    holder = []
+
+    def call():
+        holder[:] = [
+            numba_rope.rotary_embedding(
+                case.input,
+                case.cos_cache,
+                -case.sin_cache,
+                case.position_ids,
+                interleaved=w.interleaved,
+                rotary_embedding_dim=w.rotary_dim,
+            )
+        ]
+
+    return _bench.Prepared(call, lambda: holder[0])
+
+
+def _wrong_dtype(case, target, threads):
+    result = reference.rotary_embedding(
+        case.input, case.cos_cache, case.sin_cache, case.position_ids
+    ).astype(np.float64)
+    return _bench.Prepared(lambda: None, lambda: result)
+
+
+def _crashes(case, target, threads):
+    def call():
+        raise RuntimeError("kernel exploded")
+
+    return _bench.Prepared(call, lambda: case.input)
+
+
+def _not_a_copy(case, target, threads):
+    out = case.input.copy()
+    out.reshape(-1)[-1] += 1
+    return _bench.Prepared(lambda: None, lambda: out)
+
+
+@pytest.mark.parametrize(
+    ("kind", "prepare", "reason"),
+    [
+        ("rope", _wrong_sign, "max error"),
+        ("rope", _wrong_dtype, "float64"),
+        ("rope", _crashes, "RuntimeError: kernel exploded"),
+        ("copy", _not_a_copy, "not a bitwise copy"),
+    ],
+)
+def test_a_wrong_implementation_is_failed_and_not_timed(kind, prepare, reason):
+    case = _bench.make_case("seed", "float32")
+    expected = reference.rotary_embedding(
+        case.input, case.cos_cache, case.sin_cache, case.position_ids
+    )
+    wrong = _bench.Implementation("wrong", kind, prepare)
+    result = _bench.measure(wrong, case, expected, _bench.CpuTarget(), 1, _bench.Settings.quick())
+    assert result.status == "FAILED"
+    assert reason in result.reason
+    assert result.median_s is None and result.gb_per_s is None and result.samples == 0
+
+
+def test_run_reports_a_wrong_extra_implementation():
+    settings = _bench.Settings.quick(workloads=["seed"], dtypes=["float16"])
+    wrong = _bench.Implementation("sign-flipped", "rope", _wrong_sign)
+    report = _bench.run(settings, progress=None, extra=[wrong])
+    assert [r.implementation for r in report.failed] == ["sign-flipped"]
+    table = _bench.format_table(report)
+    assert "sign-flipped" in table and "FAILED" in table
+
+
+def test_check_output_tolerance_is_a_few_eps():
+    case = _bench.make_case("seed", "bfloat16")
+    want = reference.rotary_embedding(case.input, case.cos_cache, case.sin_cache, case.position_ids)
+    assert _bench.check_output(case, "rope", want, want) == (True, 0.0, "")
+    scale = float(np.abs(case.input.astype(np.float32)).max())  # cos + sin >= 1 somewhere
+    nudged = want.astype(np.float32)
+    nudged.reshape(-1)[0] += 8 * _bench.EPSILON["bfloat16"] * scale * np.sqrt(2)
+    ok, error, reason = _bench.check_output(case, "rope", nudged.astype(want.dtype), want)
+    assert not ok and error > _bench.TOLERANCE_EPS and "eps" in reason
+    with_nan = want.copy()
+    with_nan.reshape(-1)[3] = np.nan
+    assert _bench.check_output(case, "rope", with_nan, want)[:1] == (False,)
+
+
+def test_time_calls_batches_small_calls():
+    calls = []
+    timing = _bench.time_calls(lambda: calls.append(1), 4, batch_seconds=1e-3, warmup=1)
+    assert timing.samples == 4 and timing.calls_per_sample > 1
+    assert 0 < timing.median <= timing.p95
+    assert len(calls) == 1 + 3 + 4 * timing.calls_per_sample
+    single = _bench.time_calls(lambda: None, 5, warmup=0)
+    assert single.calls_per_sample == 1 and single.samples == 5
+
+
+def test_time_calls_stops_at_its_budget():
+    timing = _bench.time_calls(lambda: None, 10_000, budget_seconds=0.0, warmup=0)
+    assert timing.samples == 3
+
+
+def test_parallel_copy_copies_every_dtype(rng):
+    for dtype in _bench.DTYPES:
+        x = rng.standard_normal((3, 5, 7)).astype(_bench.as_dtype(dtype))
+        out = np.empty_like(x)
+        _bench.parallel_copy(x, out)
+        assert np.array_equal(out.view(np.uint8), x.view(np.uint8))
+
+
+# ------------------------------------------------------------------------ the command
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    """One quick bench of the seed in float32 and bfloat16, through the command."""
+    path = tmp_path_factory.mktemp("bench") / "bench.json"
+    code = _cli.main(
+        [
+            "bench",
+            "--quick",
+            "--workloads",
+            "seed",
+            "--dtypes",
+            "float32,bfloat16",
+            "--json",
+            str(path),
+        ]
+    )
+    return code, json.loads(path.read_text())
+
+
+def test_bench_quick_writes_json_with_every_field(quick_report):
+    code, data = quick_report
+    assert code == 0
+    assert data["settings"]["workloads"] == ["seed"]
+    assert data["settings"]["dtypes"] == ["float32", "bfloat16"]
+    assert data["environment"]["numba_rope"] == numba_rope.__version__
+    rows = {(r["dtype"], r["implementation"]): r for r in data["results"]}
+    threads = data["settings"]["threads"]
+    for dtype in ("float32", "bfloat16"):
+        for name in (
+            f"copy (numba, {threads} threads)",
+            "np.copyto (1 thread)",
+            "numba_rope",
+            "numba_rope (allocating)",
+            "numpy (spec formula, complex64)",
+        ):
+            row = rows[(dtype, name)]
+            assert row["status"] == "ok", row
+            assert row["workload"] == "seed" and row["device"] == "cpu"
+            assert row["median_s"] > 0 and row["p95_s"] >= row["median_s"]
+            assert row["gb_per_s"] > 0 and row["bytes"] > 0 and row["samples"] >= 1
+            assert row["calls_per_sample"] >= 1
+            if not name.startswith(("copy", "np.copyto")):
+                assert row["ratio_to_copy"] > 0 and row["error_eps"] <= _bench.TOLERANCE_EPS
+
+
+def test_bench_runs_onnxruntime_where_it_can(quick_report):
+    pytest.importorskip("onnxruntime")
+    _, data = quick_report
+    rows = {(r["dtype"], r["implementation"]): r for r in data["results"]}
+    assert rows[("float32", "onnxruntime")]["status"] == "ok"
+    bf16 = rows[("bfloat16", "onnxruntime")]
+    assert bf16["status"] == "n/a" and "bfloat16" in bf16["reason"]
+
+
+def test_bench_notes_peers_that_are_not_installed(quick_report):
+    _, data = quick_report
+    if importlib.util.find_spec("torch") is None:
+        assert "torch eager" in data["not_installed"]
+        assert all(r["implementation"] != "torch eager" for r in data["results"])
+    else:  # pragma: no cover - torch is not a test dependency
+        assert any(r["implementation"] == "torch eager" for r in data["results"])
+
+
+def test_bench_command_in_a_subprocess_prints_table_and_progress(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "numba_rope",
+            "bench",
+            "--quick",
+            "--workloads",
+            "seed",
+            "--dtypes",
+            "float16",
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "[1/" in result.stderr and "seed float16" in result.stderr
+    header = next(line for line in result.stdout.splitlines() if line.startswith("workload"))
+    for column in ("dtype", "implementation", "median", "p95", "GB/s", "ratio", "check"):
+        assert column in header
+    assert "copy (numba, 1 threads)" in result.stdout
+    assert "1 threads" in result.stdout
+
+
+def test_bench_plot_draws_a_png(quick_report, tmp_path):
+    pytest.importorskip("matplotlib")
+    _, data = quick_report
+    report = _bench.Report(
+        settings=data["settings"],
+        environment=data["environment"],
+        results=[_bench.Result(**r) for r in data["results"]],
+    )
+    path = tmp_path / "bench.png"
+    _bench.plot(report, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_plot_without_matplotlib_says_how_to_install(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    code = _cli.main(["bench", "--quick", "--workloads", "seed", "--plot", str(tmp_path / "p.png")])
+    assert code == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_bench_rejects_unknown_names(capsys):
+    with pytest.raises(SystemExit):
+        _cli.main(["bench", "--workloads", "seed,nonsense"])
+    assert "choose from seed, prefill" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(gpu_present(), reason="a GPU is present: the cuda bench would run")
+def test_bench_on_cuda_without_a_gpu_is_a_clear_error():
+    result = subprocess.run(
+        [sys.executable, "-m", "numba_rope", "bench", "--device", "cuda", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(),
+    )
+    assert result.returncode == 2
+    assert "cannot benchmark on cuda" in result.stderr and "GPU" in result.stderr
+
+
+def test_cuda_target_refuses_the_simulator(monkeypatch):
+    import numba
+
+    monkeypatch.setattr(numba.config, "ENABLE_CUDASIM", 1)
+    with pytest.raises(_bench.Unavailable, match="simulator"):
+        _bench.target("cuda")
+
+
+# --------------------------------------------------------------------------- asv
+
+
+def _load_asv_suite():
+    spec = importlib.util.spec_from_file_location(
+        "bench_rope", ASV_DIR / "benchmarks" / "bench_rope.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_asv_suite_uses_the_bench_workloads():
+    suite = _load_asv_suite()
+    for cls in (suite.Time, suite.Memory, suite.Bandwidth):
+        assert cls.params == (list(_bench.DEVICES), list(_bench.DTYPES), list(_bench.WORKLOADS))
+        assert tuple(cls.param_names) == ("device", "dtype", "workload")
+
+
+def test_asv_benchmarks_run_on_the_cpu_and_skip_cuda_without_a_gpu():
+    suite = _load_asv_suite()
+    args = ("cpu", "float16", "seed")
+    timed = suite.Time()
+    timed.setup(*args)
+    timed.time_rope_out(*args)
+    timed.time_rope_alloc(*args)
+    memory = suite.Memory()
+    memory.setup(*args)
+    memory.peakmem_rope_alloc(*args)
+    bandwidth = suite.Bandwidth()
+    bandwidth.setup(*args)
+    fraction = bandwidth.track_bandwidth_fraction(*args)
+    assert 0 < fraction < 100
+    assert suite.Bandwidth.track_bandwidth_fraction.unit
+    with pytest.raises(NotImplementedError, match="host memory"):
+        suite.Memory().setup("cuda", "float16", "seed")
+    if not gpu_present():
+        with pytest.raises(NotImplementedError):
+            suite.Time().setup("cuda", "float16", "seed")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("asv") is None, reason="asv is not installed")
+def test_asv_check_accepts_the_suite():
+    env = subprocess_env()
+    env["ASV_PYTHONPATH"] = env["PYTHONPATH"]  # asv drops PYTHONPATH: test this checkout
+    result = subprocess.run(
+        [sys.executable, "-m", "asv", "check", "--python=same"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ASV_DIR,
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "No problems found" in result.stdout, result.stdout
