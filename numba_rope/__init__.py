@@ -7,8 +7,14 @@ is its plain NumPy float64 oracle.
 
 from numba_rope import reference
 from numba_rope.cache import rope_cache
-from numba_rope.rotary import rotary_embedding
+from numba_rope.rotary import rotary_embedding, rotary_embedding_qk
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "reference", "rope_cache", "rotary_embedding"]
+__all__ = [
+    "__version__",
+    "reference",
+    "rope_cache",
+    "rotary_embedding",
+    "rotary_embedding_qk",
+]

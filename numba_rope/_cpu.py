@@ -24,21 +24,24 @@ from numba_rope._conversions import narrow_like, widen
 from numba_rope._rotation import rotate_pair
 
 
-def _cache_row_index(cache, position_ids, b, s):  # pragma: no cover - see overload
-    """Index tuple of the cache row of token (b, s): ``(b, s)`` or ``(position_ids[b, s],)``."""
+def _cache_row_index(cache, positions, b, s):  # pragma: no cover - see overload
+    """Index tuple of the cache row of token (b, s)."""
     raise NotImplementedError
 
 
 @overload(_cache_row_index, inline="always")
-def _cache_row_index_overload(cache, position_ids, b, s):
-    # Chosen at compile time from the type of position_ids.
-    if position_ids is None or isinstance(position_ids, types.NoneType):
-        return lambda cache, position_ids, b, s: (b, s)
-    return lambda cache, position_ids, b, s: (position_ids[b, s],)
+def _cache_row_index_overload(cache, positions, b, s):
+    # Chosen at compile time from the type of ``positions``: None (caches indexed by
+    # token), 2-D position ids, or 1-D per-batch offsets (positions offset + s).
+    if isinstance(positions, types.NoneType):
+        return lambda cache, positions, b, s: (b, s)
+    if positions.ndim == 2:
+        return lambda cache, positions, b, s: (positions[b, s],)
+    return lambda cache, positions, b, s: (positions[b] + s,)
 
 
 @njit(cache=True)
-def _rope_rows(x, cos, sin, position_ids, out, interleaved, rotary_dim, first_row, end_row):
+def _rope_rows(x, cos, sin, positions, out, interleaved, rotary_dim, sign, first_row, end_row):
     """Rotate rows ``first_row <= r < end_row`` of ``x`` (numbered as (b, h, s)).
 
     The arrays are indexed element by element rather than through per-row views: a
@@ -46,8 +49,10 @@ def _rope_rows(x, cos, sin, position_ids, out, interleaved, rotary_dim, first_ro
     count took 70% longer than a copy of the data (float16, prefill shape). Written
     this way LLVM vectorizes the inner loops (with F16C conversions for float16).
     Each pair is read before either of its elements is written, so ``out`` may be
-    ``x`` itself.
+    ``x`` itself. ``sign`` is +1 or -1 (the inverse rotation): it multiplies the sines,
+    exactly.
     """
+    sign = np.float32(sign)  # +-1: exact in every compute type, keeps float32 float32
     num_heads = x.shape[1]
     seq_len = x.shape[2]
     head_size = x.shape[3]
@@ -58,7 +63,7 @@ def _rope_rows(x, cos, sin, position_ids, out, interleaved, rotary_dim, first_ro
     h = (first_row // seq_len) % num_heads
     b = first_row // (seq_len * num_heads)
     for _ in range(end_row - first_row):
-        row_index = _cache_row_index(cos, position_ids, b, s)
+        row_index = _cache_row_index(cos, positions, b, s)
         if interleaved:
             for pair in range(half):
                 # Unsigned indices: numba then emits no negative-index wrap-around,
@@ -69,7 +74,7 @@ def _rope_rows(x, cos, sin, position_ids, out, interleaved, rotary_dim, first_ro
                 x1 = widen(x[b, h, s, i1])
                 x2 = widen(x[b, h, s, i2])
                 y1, y2 = rotate_pair(
-                    x1, x2, widen(cos[row_index + (i,)]), widen(sin[row_index + (i,)])
+                    x1, x2, widen(cos[row_index + (i,)]), widen(sin[row_index + (i,)]) * sign
                 )
                 out[b, h, s, i1] = narrow_like(y1, out)
                 out[b, h, s, i2] = narrow_like(y2, out)
@@ -80,7 +85,7 @@ def _rope_rows(x, cos, sin, position_ids, out, interleaved, rotary_dim, first_ro
                 x1 = widen(x[b, h, s, i])
                 x2 = widen(x[b, h, s, i2])
                 y1, y2 = rotate_pair(
-                    x1, x2, widen(cos[row_index + (i,)]), widen(sin[row_index + (i,)])
+                    x1, x2, widen(cos[row_index + (i,)]), widen(sin[row_index + (i,)]) * sign
                 )
                 out[b, h, s, i] = narrow_like(y1, out)
                 out[b, h, s, i2] = narrow_like(y2, out)
@@ -109,18 +114,34 @@ def _first_bad_position(position_ids, n_positions):
     return -1
 
 
-def _check_positions(position_ids, n_positions):  # pragma: no cover - see overload
+@njit(cache=True)
+def _first_bad_offset(offsets, n_positions, seq_len):
+    """First batch entry whose positions ``offset .. offset + seq_len - 1`` leave
+    ``[0, n_positions)``, or -1."""
+    if seq_len == 0:
+        return -1
+    for b in range(offsets.shape[0]):
+        if offsets[b] < 0 or offsets[b] > n_positions - seq_len:
+            return b
+    return -1
+
+
+def _check_positions(positions, n_positions, seq_len):  # pragma: no cover - see overload
     raise NotImplementedError
 
 
 @overload(_check_positions, inline="always")
-def _check_positions_overload(position_ids, n_positions):
-    if isinstance(position_ids, types.NoneType):
-        return lambda position_ids, n_positions: -1
-    return lambda position_ids, n_positions: _first_bad_position(position_ids, n_positions)
+def _check_positions_overload(positions, n_positions, seq_len):
+    if isinstance(positions, types.NoneType):
+        return lambda positions, n_positions, seq_len: -1
+    if positions.ndim == 2:
+        return lambda positions, n_positions, seq_len: _first_bad_position(positions, n_positions)
+    return lambda positions, n_positions, seq_len: _first_bad_offset(
+        positions, n_positions, seq_len
+    )
 
 
-#: Kernel return codes besides a flat position-id index (>= 0).
+#: Kernel return codes besides the index of a bad position id or offset (>= 0).
 DONE = -1
 OVERLAP = -2
 
@@ -143,65 +164,140 @@ def _byte_range(a):
 
 @njit(cache=True)
 def _overlaps(a, out):
+    """Whether the byte ranges of ``a`` and ``out`` intersect (a cheap, conservative
+    test: interleaved views of one buffer, such as q and k of a fused qkv, do too)."""
     a_first, a_end = _byte_range(a)
     out_first, out_end = _byte_range(out)
     return a_first < out_end and out_first < a_end
 
 
-def _ids_overlap(position_ids, out):  # pragma: no cover - see overload
+def _positions_overlap(positions, out):  # pragma: no cover - see overload
     raise NotImplementedError
 
 
-@overload(_ids_overlap, inline="always")
-def _ids_overlap_overload(position_ids, out):
-    if isinstance(position_ids, types.NoneType):
-        return lambda position_ids, out: False
-    return lambda position_ids, out: _overlaps(position_ids, out)
+@overload(_positions_overlap, inline="always")
+def _positions_overlap_overload(positions, out):
+    if isinstance(positions, types.NoneType):
+        return lambda positions, out: False
+    return lambda positions, out: _overlaps(positions, out)
 
 
 @njit(cache=True)
-def _preflight(x, cos, sin, position_ids, out):
-    """What must stop a launch before anything is written: OVERLAP when an input
-    shares memory with ``out`` other than as the very same elements (rotating in
-    place is safe), else the flat index of the first bad position id, else DONE."""
+def _inputs_overlap(x, cos, sin, positions, out):
+    """An input shares memory with ``out`` other than as the very same elements
+    (rotating in place is safe)."""
     same_elements = x.ctypes.data == out.ctypes.data and x.strides == out.strides
-    if (
+    return (
         (_overlaps(x, out) and not same_elements)
         or _overlaps(cos, out)
         or _overlaps(sin, out)
-        or _ids_overlap(position_ids, out)
-    ):
-        return OVERLAP
-    bad = _check_positions(position_ids, cos.shape[0])
-    return DONE if bad < 0 else bad
+        or _positions_overlap(positions, out)
+    )
 
 
 @njit(cache=True)
-def _rope_cpu_serial(x, cos, sin, position_ids, out, interleaved, rotary_dim):
-    """Check (see :func:`_preflight`), then rotate every row. Returns DONE, OVERLAP or
-    the flat index of the first bad position id; in the last two cases nothing has
-    been written."""
-    status = _preflight(x, cos, sin, position_ids, out)
-    if status != DONE:
-        return status
+def _rope_cpu_serial(x, cos, sin, positions, out, interleaved, rotary_dim, sign, check_overlap):
+    """Check, then rotate every row. Returns OVERLAP (``check_overlap`` and an input
+    overlaps ``out``), the index of the first bad position id (flat) or offset (batch
+    entry), or DONE; nothing is written unless it returns DONE."""
+    if check_overlap and _inputs_overlap(x, cos, sin, positions, out):
+        return OVERLAP
+    bad = _check_positions(positions, cos.shape[0], x.shape[2])
+    if bad >= 0:
+        return bad
     n_rows = x.shape[0] * x.shape[1] * x.shape[2]
-    _rope_rows(x, cos, sin, position_ids, out, interleaved, rotary_dim, 0, n_rows)
+    _rope_rows(x, cos, sin, positions, out, interleaved, rotary_dim, sign, 0, n_rows)
     return DONE
 
 
 @njit(parallel=True, cache=True)
-def _rope_cpu_parallel(x, cos, sin, position_ids, out, interleaved, rotary_dim, n_chunks):
+def _rope_cpu_parallel(
+    x, cos, sin, positions, out, interleaved, rotary_dim, sign, check_overlap, n_chunks
+):
     """As :func:`_rope_cpu_serial`, with the rows split into ``n_chunks`` contiguous
     chunks run in parallel (each element's arithmetic is the same, so the result does
     not depend on the split)."""
-    status = _preflight(x, cos, sin, position_ids, out)
-    if status != DONE:
-        return status
+    if check_overlap and _inputs_overlap(x, cos, sin, positions, out):
+        return OVERLAP
+    bad = _check_positions(positions, cos.shape[0], x.shape[2])
+    if bad >= 0:
+        return bad
     n_rows = x.shape[0] * x.shape[1] * x.shape[2]
     for chunk in prange(n_chunks):
         first_row = chunk * n_rows // n_chunks
         end_row = (chunk + 1) * n_rows // n_chunks
-        _rope_rows(x, cos, sin, position_ids, out, interleaved, rotary_dim, first_row, end_row)
+        _rope_rows(x, cos, sin, positions, out, interleaved, rotary_dim, sign, first_row, end_row)
+    return DONE
+
+
+@njit(cache=True)
+def _qk_overlap(q, k, cos, sin, positions, out_q, out_k):
+    return (
+        _inputs_overlap(q, cos, sin, positions, out_q)
+        or _inputs_overlap(k, cos, sin, positions, out_k)
+        or _overlaps(k, out_q)
+        or _overlaps(q, out_k)
+        or _overlaps(out_q, out_k)
+    )
+
+
+@njit(cache=True)
+def _rope_rows_qk(
+    q, k, cos, sin, positions, out_q, out_k, interleaved, rotary_dim, sign, first, end
+):
+    """Rows ``first <= r < end`` of q followed by k (rows of k numbered after q's)."""
+    q_rows = q.shape[0] * q.shape[1] * q.shape[2]
+    if first < q_rows:
+        _rope_rows(
+            q, cos, sin, positions, out_q, interleaved, rotary_dim, sign, first, min(end, q_rows)
+        )
+    if end > q_rows:
+        _rope_rows(
+            k,
+            cos,
+            sin,
+            positions,
+            out_k,
+            interleaved,
+            rotary_dim,
+            sign,
+            max(first, q_rows) - q_rows,
+            end - q_rows,
+        )
+
+
+@njit(cache=True)
+def _rope_cpu_qk_serial(
+    q, k, cos, sin, positions, out_q, out_k, interleaved, rotary_dim, sign, check_overlap
+):
+    """q and k in one call (see :func:`_rope_cpu_serial` for the return codes)."""
+    if check_overlap and _qk_overlap(q, k, cos, sin, positions, out_q, out_k):
+        return OVERLAP
+    bad = _check_positions(positions, cos.shape[0], q.shape[2])
+    if bad >= 0:
+        return bad
+    n_rows = q.shape[0] * q.shape[1] * q.shape[2] + k.shape[0] * k.shape[1] * k.shape[2]
+    _rope_rows_qk(q, k, cos, sin, positions, out_q, out_k, interleaved, rotary_dim, sign, 0, n_rows)
+    return DONE
+
+
+@njit(parallel=True, cache=True)
+def _rope_cpu_qk_parallel(
+    q, k, cos, sin, positions, out_q, out_k, interleaved, rotary_dim, sign, check_overlap, n_chunks
+):
+    """q and k in one parallel region, their rows split into ``n_chunks`` chunks."""
+    if check_overlap and _qk_overlap(q, k, cos, sin, positions, out_q, out_k):
+        return OVERLAP
+    bad = _check_positions(positions, cos.shape[0], q.shape[2])
+    if bad >= 0:
+        return bad
+    n_rows = q.shape[0] * q.shape[1] * q.shape[2] + k.shape[0] * k.shape[1] * k.shape[2]
+    for chunk in prange(n_chunks):
+        first = chunk * n_rows // n_chunks
+        end = (chunk + 1) * n_rows // n_chunks
+        _rope_rows_qk(
+            q, k, cos, sin, positions, out_q, out_k, interleaved, rotary_dim, sign, first, end
+        )
     return DONE
 
 
@@ -217,26 +313,62 @@ _parallel_lock = threading.Lock()
 _threading_layer_is_safe = False
 
 
-def _run_parallel(x, cos, sin, position_ids, out, interleaved, rotary_dim, n_threads):
+def _run_parallel(kernel, args: tuple, n_rows: int, n_threads: int) -> int:
     global _threading_layer_is_safe
-    n_rows = x.shape[0] * x.shape[1] * x.shape[2]
     n_chunks = max(1, min(n_rows, n_threads * config.CHUNKS_PER_THREAD))
     if _threading_layer_is_safe:
-        return _rope_cpu_parallel(x, cos, sin, position_ids, out, interleaved, rotary_dim, n_chunks)
+        return kernel(*args, n_chunks)
     with _parallel_lock:
-        bad = _rope_cpu_parallel(x, cos, sin, position_ids, out, interleaved, rotary_dim, n_chunks)
+        status = kernel(*args, n_chunks)
         _threading_layer_is_safe = numba.threading_layer() in ("omp", "tbb")
-    return bad
+    return status
 
 
-def _launch_cpu(x, cos, sin, position_ids, out, interleaved: bool, rotary_dim: int) -> int:
-    """Run the CPU kernel on validated NumPy arrays (16-bit formats as integer views).
+def _launch_cpu(
+    x,
+    cos,
+    sin,
+    positions,
+    out,
+    interleaved: bool,
+    rotary_dim: int,
+    sign: float,
+    check_overlap: bool = True,
+) -> int:
+    """Run the CPU kernel on validated NumPy arrays (16-bit formats as integer views,
+    BHSD views of any layout).
 
-    ``position_ids`` is None or an int32/int64 array. Returns DONE, OVERLAP or the
-    flat index of the first out-of-range position id (see :func:`_rope_cpu_serial`).
+    ``positions`` is None, int32/int64 position ids ``[batch, seq_len]``, or int64
+    offsets ``[batch]``. Returns DONE, OVERLAP or the index of the first bad position
+    (see :func:`_rope_cpu_serial`).
     """
+    args = (x, cos, sin, positions, out, interleaved, rotary_dim, sign, check_overlap)
     if x.size >= config.PARALLEL_MIN_ELEMENTS:
         n_threads = numba.get_num_threads()
         if n_threads > 1:
-            return _run_parallel(x, cos, sin, position_ids, out, interleaved, rotary_dim, n_threads)
-    return _rope_cpu_serial(x, cos, sin, position_ids, out, interleaved, rotary_dim)
+            n_rows = x.shape[0] * x.shape[1] * x.shape[2]
+            return _run_parallel(_rope_cpu_parallel, args, n_rows, n_threads)
+    return _rope_cpu_serial(*args)
+
+
+def _launch_cpu_qk(
+    q,
+    k,
+    cos,
+    sin,
+    positions,
+    out_q,
+    out_k,
+    interleaved: bool,
+    rotary_dim: int,
+    sign: float,
+    check_overlap: bool = True,
+) -> int:
+    """As :func:`_launch_cpu`, for q and k in one pass."""
+    args = (q, k, cos, sin, positions, out_q, out_k, interleaved, rotary_dim, sign, check_overlap)
+    if q.size + k.size >= config.PARALLEL_MIN_ELEMENTS:
+        n_threads = numba.get_num_threads()
+        if n_threads > 1:
+            n_rows = q.shape[0] * q.shape[2] * (q.shape[1] + k.shape[1])
+            return _run_parallel(_rope_cpu_qk_parallel, args, n_rows, n_threads)
+    return _rope_cpu_qk_serial(*args)

@@ -112,19 +112,33 @@ _NARROW = {
 }
 
 
-# -- the cache row of a token: by position id, or (b, s) ---------------------------------
+# -- the cache row of a token: by position id, by offset, or (b, s) -----------------------
 
 
 @cuda.jit(device=True, inline="always")
-def _row_by_position_id(position_ids, b, s, n_rows):
-    """Cache row of token (b, s), or -1 if its id is outside the caches."""
-    row = np.int64(position_ids[b, s])  # a uint64 id above 2**63 wraps below 0
+def _valid_row(row, n_rows):
     return row if row >= 0 and row < n_rows else np.int64(-1)
 
 
 @cuda.jit(device=True, inline="always")
-def _row_by_token(position_ids, b, s, n_rows):
-    return np.int64(0)  # unused: the caches are indexed by (b, s); position_ids is a stand-in
+def _row_by_position_id(positions, b, s, n_rows):
+    """Cache row of token (b, s), or -1 if its id is outside the caches."""
+    return _valid_row(np.int64(positions[b, s]), n_rows)  # uint64 > 2**63 wraps below 0
+
+
+@cuda.jit(device=True, inline="always")
+def _row_by_offsets(positions, b, s, n_rows):
+    return _valid_row(np.int64(positions[b]) + s, n_rows)
+
+
+@cuda.jit(device=True, inline="always")
+def _row_by_offset(positions, b, s, n_rows):
+    return _valid_row(positions + s, n_rows)  # positions: one int64 offset for all
+
+
+@cuda.jit(device=True, inline="always")
+def _row_by_token(positions, b, s, n_rows):
+    return np.int64(0)  # unused: the caches are indexed by (b, s); positions is a stand-in
 
 
 @cuda.jit(device=True, inline="always")
@@ -137,81 +151,161 @@ def _entry_by_token(cache, row, b, s, i):
     return cache[b, s, i]
 
 
-def _make_rope_kernel(input_dtype: str, cache_dtype: str, with_ids: bool, heads_per_thread: int):
-    """Compile-time specialisation of the kernel for one dtype pair and cache indexing
-    (closure variables are constants to numba: each choice is made once, not per element)."""
-    cache_row = _row_by_position_id if with_ids else _row_by_token
-    cache_entry = _entry_by_row if with_ids else _entry_by_token
+#: How a kernel finds a token's cache row, by the kind of positions it is given.
+_CACHE_ROW = {
+    "ids": _row_by_position_id,
+    "offsets": _row_by_offsets,
+    "offset": _row_by_offset,
+    "token": _row_by_token,
+}
+
+
+def _make_rope_kernel(
+    input_dtype: str, cache_dtype: str, positions: str, heads_per_thread: int, fused: bool
+):
+    """Compile-time specialisation of the kernel for one dtype pair, one kind of
+    positions (see ``_CACHE_ROW``) and one or two tensors (closure variables are
+    constants to numba: each choice is made once, not per element)."""
+    cache_row = _CACHE_ROW[positions]
+    cache_entry = _entry_by_token if positions == "token" else _entry_by_row
     widen_input = _WIDEN[input_dtype]
     narrow = _NARROW[input_dtype]
     compute = types.float64 if input_dtype == "float64" else types.float32
     widen_cache = _to_float64 if compute == types.float64 else _WIDEN[cache_dtype]
     nan = np.float64(np.nan) if compute == types.float64 else np.float32(np.nan)
 
-    @cuda.jit
-    def _rope_cuda(x, cos, sin, position_ids, out, interleaved, rotary_dim, n_slots):
-        """Slot ``j < rotary_dim/2`` of a row rotates pair ``j``; slot ``j >= rotary_dim/2``
-        copies channel ``rotary_dim + j - rotary_dim/2`` (only when ``out`` is not ``x``)."""
+    @cuda.jit(device=True)
+    def _rotate_token(
+        x, cos, sin, positions, out, interleaved, rotary_dim, n_slots, sign, first_head, token
+    ):
+        """This thread's slots of one token for heads ``first_head ..`` (up to
+        ``heads_per_thread``). Slot ``j < rotary_dim/2`` rotates pair ``j``; slot
+        ``j >= rotary_dim/2`` copies channel ``rotary_dim + j - rotary_dim/2`` (only
+        when ``out`` is not ``x``)."""
         num_heads = x.shape[1]
         seq_len = x.shape[2]
-        n_tokens = x.shape[0] * seq_len
         half = rotary_dim // 2
-        n_groups = (num_heads + heads_per_thread - 1) // heads_per_thread
         x1s = cuda.local.array(heads_per_thread, compute)
         x2s = cuda.local.array(heads_per_thread, compute)
-        # while loops, not range(start, stop, step): range divides to count its trips.
+        b = token // seq_len
+        s = token - b * seq_len
+        row = cache_row(positions, b, s, cos.shape[0])
+        valid = row >= 0
+        slot = cuda.threadIdx.x
+        while slot < n_slots:
+            if slot < half:
+                c = nan
+                sn = nan
+                if valid:
+                    c = widen_cache(cache_entry(cos, row, b, s, slot))
+                    sn = widen_cache(cache_entry(sin, row, b, s, slot)) * sign
+                i1 = 2 * slot if interleaved else slot
+                i2 = i1 + 1 if interleaved else slot + half
+                for k in range(heads_per_thread):
+                    h = first_head + k
+                    if h < num_heads:
+                        x1s[k] = widen_input(x[b, h, s, i1])
+                        x2s[k] = widen_input(x[b, h, s, i2])
+                for k in range(heads_per_thread):
+                    h = first_head + k
+                    if h < num_heads:
+                        y1, y2 = rotate_pair(x1s[k], x2s[k], c, sn)
+                        out[b, h, s, i1] = narrow(y1)
+                        out[b, h, s, i2] = narrow(y2)
+            else:
+                channel = rotary_dim + slot - half
+                for k in range(heads_per_thread):
+                    h = first_head + k
+                    if h < num_heads:
+                        if valid:
+                            out[b, h, s, channel] = x[b, h, s, channel]
+                        else:
+                            out[b, h, s, channel] = narrow(nan)
+            slot += cuda.blockDim.x
+
+    if not fused:
+
+        @cuda.jit
+        def _rope_cuda(x, cos, sin, positions, out, interleaved, rotary_dim, n_slots, sign):
+            n_tokens = x.shape[0] * x.shape[2]
+            n_groups = (x.shape[1] + heads_per_thread - 1) // heads_per_thread
+            # while loops, not range(start, stop, step): range divides to count its trips.
+            group = cuda.blockIdx.y
+            while group < n_groups:
+                token = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
+                while token < n_tokens:
+                    _rotate_token(
+                        x,
+                        cos,
+                        sin,
+                        positions,
+                        out,
+                        interleaved,
+                        rotary_dim,
+                        n_slots,
+                        sign,
+                        group * heads_per_thread,
+                        token,
+                    )
+                    token += cuda.gridDim.x * cuda.blockDim.y
+                group += cuda.gridDim.y
+
+        return _rope_cuda
+
+    @cuda.jit
+    def _rope_cuda_qk(
+        q, k, cos, sin, positions, out_q, out_k, interleaved, rotary_dim, slots_q, slots_k, sign
+    ):
+        """Head groups of q, then of k (which may have fewer heads), in one launch."""
+        n_tokens = q.shape[0] * q.shape[2]
+        groups_q = (q.shape[1] + heads_per_thread - 1) // heads_per_thread
+        n_groups = groups_q + (k.shape[1] + heads_per_thread - 1) // heads_per_thread
         group = cuda.blockIdx.y
         while group < n_groups:
-            first_head = group * heads_per_thread
             token = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
             while token < n_tokens:
-                b = token // seq_len
-                s = token - b * seq_len
-                row = cache_row(position_ids, b, s, cos.shape[0])
-                valid = row >= 0
-                slot = cuda.threadIdx.x
-                while slot < n_slots:
-                    if slot < half:
-                        c = nan
-                        sn = nan
-                        if valid:
-                            c = widen_cache(cache_entry(cos, row, b, s, slot))
-                            sn = widen_cache(cache_entry(sin, row, b, s, slot))
-                        i1 = 2 * slot if interleaved else slot
-                        i2 = i1 + 1 if interleaved else slot + half
-                        for k in range(heads_per_thread):
-                            h = first_head + k
-                            if h < num_heads:
-                                x1s[k] = widen_input(x[b, h, s, i1])
-                                x2s[k] = widen_input(x[b, h, s, i2])
-                        for k in range(heads_per_thread):
-                            h = first_head + k
-                            if h < num_heads:
-                                y1, y2 = rotate_pair(x1s[k], x2s[k], c, sn)
-                                out[b, h, s, i1] = narrow(y1)
-                                out[b, h, s, i2] = narrow(y2)
-                    else:
-                        channel = rotary_dim + slot - half
-                        for k in range(heads_per_thread):
-                            h = first_head + k
-                            if h < num_heads:
-                                if valid:
-                                    out[b, h, s, channel] = x[b, h, s, channel]
-                                else:
-                                    out[b, h, s, channel] = narrow(nan)
-                    slot += cuda.blockDim.x
+                if group < groups_q:
+                    _rotate_token(
+                        q,
+                        cos,
+                        sin,
+                        positions,
+                        out_q,
+                        interleaved,
+                        rotary_dim,
+                        slots_q,
+                        sign,
+                        group * heads_per_thread,
+                        token,
+                    )
+                else:
+                    _rotate_token(
+                        k,
+                        cos,
+                        sin,
+                        positions,
+                        out_k,
+                        interleaved,
+                        rotary_dim,
+                        slots_k,
+                        sign,
+                        (group - groups_q) * heads_per_thread,
+                        token,
+                    )
                 token += cuda.gridDim.x * cuda.blockDim.y
             group += cuda.gridDim.y
 
-    return _rope_cuda
+    return _rope_cuda_qk
 
 
-_kernels: dict[tuple[str, str, bool, int], Any] = {}
+_kernels: dict[tuple[str, str, str, int, bool], Any] = {}
 _kernels_lock = threading.Lock()
 
 
-def _rope_kernel(input_dtype: str, cache_dtype: str, with_ids: bool, heads_per_thread: int):
-    key = (input_dtype, cache_dtype, with_ids, heads_per_thread)
+def _rope_kernel(
+    input_dtype: str, cache_dtype: str, positions: str, heads_per_thread: int, fused: bool = False
+):
+    key = (input_dtype, cache_dtype, positions, heads_per_thread, fused)
     kernel = _kernels.get(key)
     if kernel is None:
         with _kernels_lock:
@@ -256,11 +350,46 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def positions_kind(positions) -> str:
+    """``"token"`` (None), ``"offset"`` (one integer), ``"offsets"`` (1-D), ``"ids"`` (2-D)."""
+    if positions is None:
+        return "token"
+    if isinstance(positions, (int, np.integer)):
+        return "offset"
+    return "offsets" if len(positions.shape) == 1 else "ids"
+
+
+def _geometry(x, rotary_dim: int, in_place: bool, heads_per_thread: int):
+    """``(n_slots, n_groups)`` of one tensor: slots per token row, head groups."""
+    half = rotary_dim // 2
+    n_slots = half if in_place else half + x.shape[3] - rotary_dim
+    return n_slots, _cdiv(x.shape[1], heads_per_thread)
+
+
+def _grid(n_tokens: int, n_slots: int, n_groups: int):
+    threads = max(1, int(config.CUDA_THREADS_PER_BLOCK))
+    max_blocks = max(1, min(int(config.CUDA_MAX_BLOCKS), _HARDWARE_MAX_BLOCKS))
+    slot_threads = min(threads, max(1, n_slots))
+    token_threads = max(1, threads // slot_threads)
+    grid = (min(_cdiv(n_tokens, token_threads), max_blocks), min(n_groups, max_blocks))
+    return grid, (slot_threads, token_threads)
+
+
+def _kernel_arguments(cos, positions, sign: float, input_dtype: str):
+    kind = positions_kind(positions)
+    if kind == "offset":
+        positions = np.int64(positions)
+    elif kind == "token":
+        positions = cos  # a real launch cannot marshal None: the kernel never reads it
+    typed_sign = np.float64(sign) if input_dtype == "float64" else np.float32(sign)
+    return kind, positions, typed_sign
+
+
 def _launch_cuda(
     x,
     cos,
     sin,
-    position_ids,
+    positions,
     out,
     interleaved: bool,
     rotary_dim: int,
@@ -269,30 +398,53 @@ def _launch_cuda(
     cache_dtype: str,
     in_place: bool,
     stream,
+    sign: float = 1.0,
 ) -> None:
-    """Launch the kernel on validated device arrays (bfloat16 as ``uint16`` views).
+    """Launch the kernel on validated device arrays (BHSD views; bfloat16 as ``uint16``).
 
-    ``in_place``: ``out`` is ``x`` element for element, so pass-through channels are
-    left alone instead of copied onto themselves.
+    ``positions``: None, 2-D ids, 1-D offsets or one integer offset. ``in_place``:
+    ``out`` is ``x`` element for element, so pass-through channels are left alone
+    instead of copied onto themselves.
     """
-    batch, num_heads, seq_len, head_size = x.shape
-    half = rotary_dim // 2
-    n_slots = half if in_place else half + head_size - rotary_dim
+    heads_per_thread = max(1, int(config.CUDA_HEADS_PER_THREAD))
+    n_slots, n_groups = _geometry(x, rotary_dim, in_place, heads_per_thread)
     if n_slots == 0:
         return
+    kind, positions, sign = _kernel_arguments(cos, positions, sign, input_dtype)
+    kernel = _rope_kernel(input_dtype, cache_dtype, kind, heads_per_thread)
+    grid, block = _grid(x.shape[0] * x.shape[2], n_slots, n_groups)
+    kernel[grid, block, stream](x, cos, sin, positions, out, interleaved, rotary_dim, n_slots, sign)
+
+
+def _launch_cuda_qk(
+    q,
+    k,
+    cos,
+    sin,
+    positions,
+    out_q,
+    out_k,
+    interleaved: bool,
+    rotary_dim: int,
+    *,
+    input_dtype: str,
+    cache_dtype: str,
+    q_in_place: bool,
+    k_in_place: bool,
+    stream,
+    sign: float = 1.0,
+) -> None:
+    """q and k in one launch (see :func:`_launch_cuda`)."""
     heads_per_thread = max(1, int(config.CUDA_HEADS_PER_THREAD))
-    threads = max(1, int(config.CUDA_THREADS_PER_BLOCK))
-    max_blocks = max(1, min(int(config.CUDA_MAX_BLOCKS), _HARDWARE_MAX_BLOCKS))
-    slot_threads = min(threads, n_slots)
-    token_threads = max(1, threads // slot_threads)
-    n_tokens = batch * seq_len
-    n_groups = _cdiv(num_heads, heads_per_thread)
-    grid = (min(_cdiv(n_tokens, token_threads), max_blocks), min(n_groups, max_blocks))
-    with_ids = position_ids is not None
-    kernel = _rope_kernel(input_dtype, cache_dtype, with_ids, heads_per_thread)
-    # A real launch cannot marshal None: without ids the kernel gets the (unread) cos.
-    kernel[grid, (slot_threads, token_threads), stream](
-        x, cos, sin, position_ids if with_ids else cos, out, interleaved, rotary_dim, n_slots
+    slots_q, groups_q = _geometry(q, rotary_dim, q_in_place, heads_per_thread)
+    slots_k, groups_k = _geometry(k, rotary_dim, k_in_place, heads_per_thread)
+    if max(slots_q, slots_k) == 0:
+        return
+    kind, positions, sign = _kernel_arguments(cos, positions, sign, input_dtype)
+    kernel = _rope_kernel(input_dtype, cache_dtype, kind, heads_per_thread, fused=True)
+    grid, block = _grid(q.shape[0] * q.shape[2], max(slots_q, slots_k), groups_q + groups_k)
+    kernel[grid, block, stream](
+        q, k, cos, sin, positions, out_q, out_k, interleaved, rotary_dim, slots_q, slots_k, sign
     )
 
 
@@ -386,13 +538,55 @@ def as_numba_stream(stream: Any, ordinal=None):
 # -- device arrays: numba views of any array library, results of the caller's type --------
 
 
-def numba_view(array: Any, library: str, storage: np.dtype):
-    """A numba device array over the same memory, with element type ``storage``.
+def bhsd_geometry(layout: str, logical_shape: tuple[int, ...]):
+    """A geometry transform: the ``[batch, num_heads, seq_len, head_size]`` shape and
+    strides of an input or output of any accepted form (see :func:`numba_view`)."""
+
+    def transform(shape, strides):
+        if len(shape) == 3:
+            _, heads, _, head_size = logical_shape
+            (batch, seq_len, _), (step_b, step_s, step_c) = shape, strides
+            return (batch, heads, seq_len, head_size), (step_b, head_size * step_c, step_s, step_c)
+        if layout == "bshd":
+            return (shape[0], shape[2], shape[1], shape[3]), (
+                strides[0],
+                strides[2],
+                strides[1],
+                strides[3],
+            )
+        return shape, strides
+
+    return transform
+
+
+def column_geometry(shape, strides):
+    """``[n]`` as ``[n, 1]`` (per-batch offsets checked by the position-id kernel)."""
+    return (shape[0], 1), (strides[0], strides[0])
+
+
+def _c_strides(shape, itemsize: int) -> tuple[int, ...]:
+    strides, step = [], itemsize
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= max(extent, 1)
+    return tuple(reversed(strides))
+
+
+def numba_view(array: Any, library: str, storage: np.dtype, transform=None):
+    """A numba device array over the same memory, with element type ``storage`` and,
+    if given, the shape and strides ``transform(shape, strides)`` (strides in bytes).
 
     Never copies, never synchronizes: the kernels run on the caller's stream, which
     orders them after the work that produced the arrays.
     """
-    if library == "numba":
+    if library == "numba" and (SIMULATOR or transform is None):
+        if SIMULATOR and transform is not None:
+            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+            host = array._ary  # the simulator's device array wraps a NumPy array
+            shape, strides = transform(host.shape, host.strides)
+            host = np.lib.stride_tricks.as_strided(host, shape=shape, strides=strides)
+            array = FakeCUDAArray(host)
         return array if array.dtype == storage else array.view(storage)
     if library == "torch":
         itemsize = storage.itemsize
@@ -400,14 +594,16 @@ def numba_view(array: Any, library: str, storage: np.dtype):
         strides = tuple(step * itemsize for step in array.stride())
         pointer = array.data_ptr()
     elif library == "cupy":
-        shape, strides, pointer = array.shape, array.strides, array.data.ptr
+        shape, strides, pointer = tuple(array.shape), tuple(array.strides), array.data.ptr
     else:
         interface = array.__cuda_array_interface__
         shape, pointer = tuple(interface["shape"]), interface["data"][0]
-        strides = interface.get("strides")
+        strides = interface.get("strides") or _c_strides(shape, storage.itemsize)
+    if transform is not None:
+        shape, strides = transform(shape, tuple(strides))
     description = {
-        "shape": shape,
-        "strides": strides,
+        "shape": tuple(shape),
+        "strides": tuple(strides),
         "data": (pointer, False),
         "typestr": storage.str,
         "version": 3,

@@ -29,12 +29,24 @@ import numpy as np
 
 from numba_rope import _cpu
 from numba_rope._conversions import BFLOAT16_STORAGE, FLOAT16_STORAGE
-from numba_rope._validation import position_error
+from numba_rope._validation import offset_error, position_error
 
 #: On the GPU float16 is native; bfloat16 travels as its bits.
 _GPU_STORAGE = {"bfloat16": np.dtype(np.uint16)}
 
-ARGUMENT_NAMES = ("input", "cos_cache", "sin_cache", "position_ids", "out")
+#: Names of the array arguments of each public function, in the order they are passed
+#: to :func:`backend_for` (for error messages).
+ARGUMENT_NAMES = ("input", "cos_cache", "sin_cache", "position_ids", "out", "position_offset")
+QK_ARGUMENT_NAMES = (
+    "q",
+    "k",
+    "cos_cache",
+    "sin_cache",
+    "position_ids",
+    "out_q",
+    "out_k",
+    "position_offset",
+)
 _KERNEL_ID_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))
 
 
@@ -67,11 +79,11 @@ def _where(array: Any) -> str:
     return f"on the GPU ({_describe(array)})"
 
 
-def device_of(arrays: tuple[Any, ...]) -> str:
+def device_of(arrays: tuple[Any, ...], names: tuple[str, ...] = ARGUMENT_NAMES) -> str:
     """``"cpu"`` when every given argument is a NumPy array, ``"cuda"`` when every given
     argument is a GPU array; otherwise ``TypeError``."""
     on_gpu = []
-    for name, array in zip(ARGUMENT_NAMES, arrays, strict=True):
+    for name, array in zip(names, arrays, strict=True):
         if array is None or isinstance(array, np.ndarray):
             continue
         if _library(array) is None:
@@ -85,12 +97,10 @@ def device_of(arrays: tuple[Any, ...]) -> str:
     if not on_gpu:
         return "cpu"
     on_host = [
-        name
-        for name, array in zip(ARGUMENT_NAMES, arrays, strict=True)
-        if isinstance(array, np.ndarray)
+        name for name, array in zip(names, arrays, strict=True) if isinstance(array, np.ndarray)
     ]
     if on_host:
-        named = dict(zip(ARGUMENT_NAMES, arrays, strict=True))
+        named = dict(zip(names, arrays, strict=True))
         raise TypeError(
             "all arrays of a call must be on one device, but "
             + "; ".join(f"{name} is {_where(named[name])}" for name in on_gpu + on_host)
@@ -100,23 +110,21 @@ def device_of(arrays: tuple[Any, ...]) -> str:
     return "cuda"
 
 
-def backend_for(
-    input: Any, cos_cache: Any, sin_cache: Any, position_ids: Any, out: Any, stream: Any = None
-) -> Any:
+def backend_for(arrays: tuple[Any, ...], names: tuple[str, ...], stream: Any = None) -> Any:
     """The backend that runs a call on these arrays (see :func:`device_of`)."""
-    ndarray = np.ndarray
-    if (
-        type(input) is ndarray
-        and type(cos_cache) is ndarray
-        and type(sin_cache) is ndarray
-        and (position_ids is None or type(position_ids) is ndarray)
-        and (out is None or type(out) is ndarray)
-    ):
-        return CpuBackend  # the common case, decided without a loop
-    arrays = (input, cos_cache, sin_cache, position_ids, out)
-    if device_of(arrays) == "cpu":
+    for array in arrays:
+        if array is not None and type(array) is not np.ndarray:
+            break
+    else:
+        return CpuBackend  # the common case, decided by type identity alone
+    if device_of(arrays, names) == "cpu":
         return CpuBackend
-    return CudaBackend(arrays, stream)
+    return CudaBackend(arrays, names, stream)
+
+
+def is_scalar(value: Any) -> bool:
+    """A Python or NumPy scalar (a position offset given as one number)."""
+    return isinstance(value, (int, float, complex, np.generic))
 
 
 def _storage(array: np.ndarray) -> np.ndarray:
@@ -127,11 +135,19 @@ def _storage(array: np.ndarray) -> np.ndarray:
     return array.view(FLOAT16_STORAGE if array.dtype.kind == "f" else BFLOAT16_STORAGE)
 
 
-def _same_elements(a: np.ndarray, b: np.ndarray) -> bool:
-    return (
-        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-        and a.strides == b.strides
-    )
+def bhsd(array: Any, layout: str, shape: tuple[int, ...]) -> Any:
+    """A ``[batch, num_heads, seq_len, head_size]`` view of an input or output of any
+    accepted form (validated): the kernels read and write through it, never a copy.
+
+    Works for any array with NumPy's ``transpose``/``reshape`` (NumPy, CuPy); splitting
+    the last axis of a 3-D array is always possible without a copy.
+    """
+    if array.ndim == 3:
+        batch, heads, seq_len, head_size = shape
+        return array.reshape(batch, seq_len, heads, head_size).transpose(0, 2, 1, 3)
+    if layout == "bshd":
+        return array.transpose(0, 2, 1, 3)
+    return array
 
 
 class CpuBackend:
@@ -147,77 +163,171 @@ class CpuBackend:
         return array.shape, array.dtype
 
     @staticmethod
-    def run(
-        x, cos, sin, position_ids, out, interleaved: bool, rotary_dim: int, check_position_ids=True
-    ):
+    def run(x, cos, sin, position_ids, position_offset, out, call, check_position_ids=True):
         """Rotate validated NumPy arrays into ``out`` (allocated when None).
 
-        Position ids are always checked on the CPU (it costs a pass over ``[batch,
-        seq_len]`` integers): ``check_position_ids`` is accepted and ignored.
+        ``call`` is ``(interleaved, rotary_dim, inverse, shape, layout)`` as validated.
+        Positions are always checked on the CPU (a pass over ``[batch, seq_len]``
+        integers): ``check_position_ids`` is accepted and ignored.
         """
-        if out is None:
-            result = np.empty(x.shape, dtype=x.dtype)
-        else:
-            if not out.flags.writeable:
-                raise ValueError(
-                    "out is a read-only array; pass a writeable array (e.g. "
-                    "np.empty_like(input)) or omit out"
-                )
-            result = out
-        kernel_ids = position_ids
-        if position_ids is not None and position_ids.dtype not in _KERNEL_ID_DTYPES:
-            # Checked on the ids as given (a uint64 id may not fit int64), then converted.
-            _raise_if_bad_position(position_ids, cos.shape[0])
-            kernel_ids = position_ids.astype(np.int64)
+        interleaved, rotary_dim, inverse, shape, layout = call
+        result = _output(x, out)
+        positions = _kernel_positions(position_ids, position_offset, cos.shape[0], shape)
         if x.size == 0:
-            if position_ids is not None:
-                _raise_if_bad_position(position_ids, cos.shape[0])
             return result
-        status = _launch(x, cos, sin, kernel_ids, result, interleaved, rotary_dim)
+        views = (_storage(bhsd(x, layout, shape)), _storage(bhsd(result, layout, shape)))
+        args = (_storage(cos), _storage(sin), positions)
+        status = _launch(views, args, interleaved, rotary_dim, inverse)
         if status == _cpu.OVERLAP:
-            # Rare: out overlaps an input. Copy what overlaps and launch again.
-            x, cos, sin, kernel_ids = _separate_from_out(x, cos, sin, kernel_ids, result)
-            status = _launch(x, cos, sin, kernel_ids, result, interleaved, rotary_dim)
+            # Rare: the byte ranges of out and an input intersect. Copy the inputs that
+            # really share memory with out, then launch without the range test.
+            views, args = _separate_from_out(views, args)
+            status = _launch(views, args, interleaved, rotary_dim, inverse, check_overlap=False)
         if status >= 0:
-            value = int(position_ids.reshape(-1)[status])
-            raise position_error(status, position_ids.shape, value, cos.shape[0])
+            _raise_position_error(status, position_ids, position_offset, cos.shape[0], shape)
         return result
 
-
-def _launch(x, cos, sin, position_ids, out, interleaved: bool, rotary_dim: int) -> int:
-    return _cpu._launch_cpu(
-        _storage(x),
-        _storage(cos),
-        _storage(sin),
+    @staticmethod
+    def run_qk(
+        q,
+        k,
+        cos,
+        sin,
         position_ids,
-        _storage(out),
-        interleaved,
-        rotary_dim,
+        position_offset,
+        out_q,
+        out_k,
+        call,
+        q_shape,
+        k_shape,
+        check_position_ids=True,
+    ):
+        """q and k in one pass (see :meth:`run`); ``q_shape``/``k_shape`` are logical."""
+        interleaved, rotary_dim, inverse, _, layout = call
+        result_q, result_k = _output(q, out_q), _output(k, out_k)
+        positions = _kernel_positions(position_ids, position_offset, cos.shape[0], q_shape)
+        if q.size + k.size == 0:
+            return result_q, result_k
+        qs = (_storage(bhsd(q, layout, q_shape)), _storage(bhsd(result_q, layout, q_shape)))
+        ks = (_storage(bhsd(k, layout, k_shape)), _storage(bhsd(result_k, layout, k_shape)))
+        args = (_storage(cos), _storage(sin), positions)
+        status = _launch_qk(qs, ks, args, interleaved, rotary_dim, inverse)
+        if status == _cpu.OVERLAP:
+            if np.shares_memory(qs[1], ks[1]):
+                raise ValueError("out_q and out_k share memory; give them separate buffers")
+            qs, ks, args = _separate_qk_from_out(qs, ks, args)
+            status = _launch_qk(qs, ks, args, interleaved, rotary_dim, inverse, check_overlap=False)
+        if status >= 0:
+            _raise_position_error(status, position_ids, position_offset, cos.shape[0], q_shape)
+        return result_q, result_k
+
+
+def _output(x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    if out is None:
+        return np.empty(x.shape, dtype=x.dtype)
+    if not out.flags.writeable:
+        raise ValueError(
+            "out is a read-only array; pass a writeable array (e.g. np.empty_like(input)) "
+            "or omit out"
+        )
+    return out
+
+
+def _kernel_positions(position_ids, position_offset, n_positions: int, shape) -> Any:
+    """What the kernels take for positions: None, int32/int64 ids, or int64 offsets.
+
+    Ids of other integer dtypes are range-checked as given (a uint64 id may not fit
+    int64) before conversion; a scalar offset is checked here and spread over the
+    batch. Everything else is checked by the kernel before it writes.
+    """
+    batch, _, seq_len, _ = shape
+    if position_ids is not None:
+        if position_ids.dtype in _KERNEL_ID_DTYPES:
+            return position_ids
+        bad = _cpu.first_bad_position(position_ids, n_positions)
+        if bad >= 0:
+            _raise_position_error(bad, position_ids, None, n_positions, shape)
+        return position_ids.astype(np.int64)
+    if position_offset is None:
+        return None
+    if is_scalar(position_offset) or np.ndim(position_offset) == 0:
+        offset = int(position_offset)
+        if seq_len and not 0 <= offset <= n_positions - seq_len:
+            raise offset_error(None, offset, seq_len, n_positions)
+        return np.full(batch, offset, dtype=np.int64)
+    offsets = np.asarray(position_offset)
+    if offsets.dtype == np.uint64 and offsets.size and offsets.max() > np.iinfo(np.int64).max:
+        b = int(np.argmax(offsets > np.iinfo(np.int64).max))
+        raise offset_error(b, int(offsets[b]), seq_len, n_positions)
+    return offsets.astype(np.int64)
+
+
+def _raise_position_error(index, position_ids, position_offset, n_positions, shape):
+    if position_ids is not None:
+        value = int(position_ids.reshape(-1)[index])
+        raise position_error(index, tuple(position_ids.shape), value, n_positions)
+    raise offset_error(index, int(np.asarray(position_offset)[index]), shape[2], n_positions)
+
+
+def _launch(views, args, interleaved, rotary_dim, inverse, check_overlap=True) -> int:
+    x, out = views
+    cos, sin, positions = args
+    sign = -1.0 if inverse else 1.0
+    return _cpu._launch_cpu(
+        x, cos, sin, positions, out, interleaved, rotary_dim, sign, check_overlap
     )
 
 
-def _raise_if_bad_position(position_ids: np.ndarray, n_positions: int) -> None:
-    bad = _cpu.first_bad_position(position_ids, n_positions)
-    if bad >= 0:
-        value = int(position_ids.reshape(-1)[bad])
-        raise position_error(bad, position_ids.shape, value, n_positions)
+def _launch_qk(qs, ks, args, interleaved, rotary_dim, inverse, check_overlap=True) -> int:
+    cos, sin, positions = args
+    sign = -1.0 if inverse else 1.0
+    return _cpu._launch_cpu_qk(
+        qs[0],
+        ks[0],
+        cos,
+        sin,
+        positions,
+        qs[1],
+        ks[1],
+        interleaved,
+        rotary_dim,
+        sign,
+        check_overlap,
+    )
 
 
-def _separate_from_out(x, cos, sin, position_ids, out):
-    """Copy any input that overlaps ``out`` without being ``out`` itself.
+def _same_elements(a: np.ndarray, b: np.ndarray) -> bool:
+    return (
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.strides == b.strides
+    )
 
-    Rotating in place (``out`` holds exactly the input's elements) is safe; any other
-    overlap would let the kernel read values it has already overwritten.
-    """
-    if np.may_share_memory(x, out) and not _same_elements(x, out):
-        x = x.copy()
-    if np.may_share_memory(cos, out):
-        cos = cos.copy()
-    if np.may_share_memory(sin, out):
-        sin = sin.copy()
-    if position_ids is not None and np.may_share_memory(position_ids, out):
-        position_ids = position_ids.copy()
-    return x, cos, sin, position_ids
+
+def _unshared(array, out):
+    """``array``, or a copy of it if it really shares memory with ``out``."""
+    if array is not None and np.shares_memory(array, out):
+        return array.copy()
+    return array
+
+
+def _separate_from_out(views, args):
+    """Copy the inputs that share memory with ``out`` (exactly tested), except an input
+    that *is* ``out`` element for element: rotating in place is safe."""
+    x, out = views
+    if not _same_elements(x, out):
+        x = _unshared(x, out)
+    return (x, out), tuple(_unshared(a, out) for a in args)
+
+
+def _separate_qk_from_out(qs, ks, args):
+    (q, out_q), (k, out_k) = qs, ks
+    if not _same_elements(q, out_q):
+        q = _unshared(q, out_q)
+    if not _same_elements(k, out_k):
+        k = _unshared(k, out_k)
+    q, k = _unshared(q, out_k), _unshared(k, out_q)
+    args = tuple(_unshared(_unshared(a, out_q), out_k) for a in args)
+    return (q, out_q), (k, out_k), args
 
 
 _torch_dtypes: dict[Any, np.dtype] = {}
@@ -265,14 +375,16 @@ class CudaBackend:
 
     name = "cuda"
 
-    def __init__(self, arrays: tuple[Any, ...], stream: Any = None) -> None:
+    def __init__(
+        self, arrays: tuple[Any, ...], names: tuple[str, ...] = ARGUMENT_NAMES, stream: Any = None
+    ) -> None:
         from numba_rope import _cuda
 
         self._cuda = _cuda
         self._library: dict[int, str | None] = {id(a): _library(a) for a in arrays if a is not None}
-        self._views: dict[int, Any] = {}
+        self._views: dict[tuple[int, int], Any] = {}
         ordinals: dict[int, str] = {}
-        for name, array in zip(ARGUMENT_NAMES, arrays, strict=True):
+        for name, array in zip(names, arrays, strict=True):
             if array is not None:
                 ordinal = _device_ordinal(array, self._library[id(array)])
                 if ordinal is not None:
@@ -314,29 +426,151 @@ class CudaBackend:
             return None, None
         return tuple(array.shape), self.dtype_of(array)
 
-    def run(
+    def run(self, x, cos, sin, position_ids, position_offset, out, call, check_position_ids=True):
+        """Rotate validated GPU arrays into ``out`` (allocated when None); see
+        :meth:`CpuBackend.run`."""
+        interleaved, rotary_dim, inverse, shape, layout = call
+        if out is not None:
+            self.check_writable(out)
+        with self._on_device():
+            positions = self._positions(
+                position_ids, position_offset, cos.shape[0], shape, check_position_ids
+            )
+            result = self.empty_like(x) if out is None else out
+            if 0 not in shape:
+                geometry = self._cuda.bhsd_geometry(layout, shape)
+                views = (self.view(x, geometry), self.view(result, geometry))
+                self._launch(
+                    views,
+                    cos,
+                    sin,
+                    positions,
+                    interleaved,
+                    rotary_dim,
+                    inverse,
+                    self.dtype_of(x).name,
+                )
+        return result
+
+    def run_qk(
         self,
-        x,
+        q,
+        k,
         cos,
         sin,
         position_ids,
-        out,
-        interleaved: bool,
-        rotary_dim: int,
-        check_position_ids: bool = True,
+        position_offset,
+        out_q,
+        out_k,
+        call,
+        q_shape,
+        k_shape,
+        check_position_ids=True,
     ):
-        """Rotate validated GPU arrays into ``out`` (allocated when None)."""
-        if out is not None:
-            self.check_writable(out)
-        if position_ids is not None and check_position_ids:
-            bad = self.first_bad_position(position_ids, cos.shape[0])
-            if bad is not None:
-                shape = tuple(position_ids.shape)
-                raise position_error(bad[0], shape, bad[1], cos.shape[0])
-        result = self.empty_like(x) if out is None else out
-        if 0 not in tuple(x.shape):
-            self.launch(x, cos, sin, position_ids, result, interleaved, rotary_dim)
-        return result
+        """q and k in one launch; see :meth:`run`.
+
+        When ``out_q``/``out_k`` are not the inputs themselves and their memory ranges
+        meet another input's, the two tensors are rotated one after the other through
+        :meth:`_launch`'s overlap handling instead (k copied first if out_q could
+        overwrite it).
+        """
+        interleaved, rotary_dim, inverse, _, layout = call
+        for out in (out_q, out_k):
+            if out is not None:
+                self.check_writable(out)
+        cuda_ = self._cuda
+        with self._on_device():
+            positions = self._positions(
+                position_ids, position_offset, cos.shape[0], q_shape, check_position_ids
+            )
+            result_q = self.empty_like(q) if out_q is None else out_q
+            result_k = self.empty_like(k) if out_k is None else out_k
+            if 0 in q_shape and 0 in k_shape:
+                return result_q, result_k
+            q_geometry = cuda_.bhsd_geometry(layout, q_shape)
+            k_geometry = cuda_.bhsd_geometry(layout, k_shape)
+            qs = (self.view(q, q_geometry), self.view(result_q, q_geometry))
+            ks = (self.view(k, k_geometry), self.view(result_k, k_geometry))
+            cos_view, sin_view = self.view(cos), self.view(sin)
+            q_in_place = _same_view(*qs)
+            k_in_place = _same_view(*ks)
+            inputs = [cos_view, sin_view]
+            if positions is not None and not _is_host_int(positions):
+                inputs.append(positions)
+            clash = (
+                any(_views_intersect(v, qs[1]) for v in [*inputs, ks[0]])
+                or any(_views_intersect(v, ks[1]) for v in [*inputs, qs[0]])
+                or (not q_in_place and _views_intersect(qs[0], qs[1]))
+                or (not k_in_place and _views_intersect(ks[0], ks[1]))
+            )
+            # q and k rotated in place (out_q is q, out_k is k) only ever write the
+            # elements they read: views of one fused qkv buffer need no copy.
+            if (
+                q_in_place
+                and k_in_place
+                and not any(_views_intersect(v, o) for v in inputs for o in (qs[1], ks[1]))
+            ):
+                clash = False
+            if not clash:
+                cuda_._launch_cuda_qk(
+                    qs[0],
+                    ks[0],
+                    cos_view,
+                    sin_view,
+                    positions,
+                    qs[1],
+                    ks[1],
+                    interleaved,
+                    rotary_dim,
+                    input_dtype=self.dtype_of(q).name,
+                    cache_dtype=self.dtype_of(cos).name,
+                    q_in_place=q_in_place,
+                    k_in_place=k_in_place,
+                    stream=self.stream,
+                    sign=-1.0 if inverse else 1.0,
+                )
+                return result_q, result_k
+            k_input = ks[0]
+            if _views_intersect(k_input, qs[1]):
+                k_input = cuda_.device_array(k_input.shape, k_input.dtype, self.stream)
+                cuda_.copy(ks[0], k_input, self.stream)
+            name = self.dtype_of(q).name
+            self._launch(qs, cos, sin, positions, interleaved, rotary_dim, inverse, name)
+            self._launch(
+                (k_input, ks[1]), cos, sin, positions, interleaved, rotary_dim, inverse, name
+            )
+        return result_q, result_k
+
+    def _positions(self, position_ids, position_offset, n_positions, shape, check):
+        """What the kernel takes for positions (a view, an int, or None), checked first
+        unless ``check`` is False (then tokens with bad positions get NaN rows)."""
+        seq_len = shape[2]
+        if position_ids is not None:
+            view = self.view(position_ids)
+            if check:
+                flat = self._cuda.first_bad_position(view, n_positions, self.stream, self.ordinal)
+                if flat >= 0:
+                    where = (flat // seq_len, flat % seq_len)
+                    value = int(self._cuda.read_element(view, where))
+                    raise position_error(flat, tuple(position_ids.shape), value, n_positions)
+            return view
+        if position_offset is None:
+            return None
+        if is_scalar(position_offset):
+            offset = int(position_offset)
+            if check and seq_len and not 0 <= offset <= n_positions - seq_len:
+                raise offset_error(None, offset, seq_len, n_positions)
+            return offset
+        view = self.view(position_offset)
+        if check and seq_len:
+            column = self.view(position_offset, self._cuda.column_geometry)
+            bad = self._cuda.first_bad_position(
+                column, n_positions - seq_len + 1, self.stream, self.ordinal
+            )
+            if bad >= 0:
+                value = int(self._cuda.read_element(view, (bad,)))
+                raise offset_error(bad, value, seq_len, n_positions)
+        return view
 
     def dtype_of(self, array: Any) -> np.dtype:
         if self._library.get(id(array)) == "torch":
@@ -350,13 +584,15 @@ class CudaBackend:
         dtype = self.dtype_of(array)
         return _GPU_STORAGE.get(dtype.name, dtype)
 
-    def view(self, array: Any) -> Any:
-        """A numba device array over ``array``'s memory in its kernel storage dtype."""
-        view = self._views.get(id(array))
+    def view(self, array: Any, transform: Any = None) -> Any:
+        """A numba device array over ``array``'s memory in its kernel storage dtype (and
+        the geometry ``transform`` gives, see :func:`numba_rope._cuda.numba_view`)."""
+        key = (id(array), id(transform))
+        view = self._views.get(key)
         if view is None:
             library = self._library[id(array)] or "cuda"
-            view = self._cuda.numba_view(array, library, self._storage(array))
-            self._views[id(array)] = view
+            view = self._cuda.numba_view(array, library, self._storage(array), transform)
+            self._views[key] = view
         return view
 
     def empty_like(self, x: Any) -> Any:
@@ -400,37 +636,63 @@ class CudaBackend:
             value = self._cuda.read_element(view, (flat // seq_len, flat % seq_len))
         return flat, int(value)
 
-    def launch(self, x, cos, sin, position_ids, out, interleaved: bool, rotary_dim: int) -> None:
+    def _launch(
+        self,
+        views,
+        cos,
+        sin,
+        positions,
+        interleaved: bool,
+        rotary_dim: int,
+        inverse: bool,
+        input_dtype: str,
+    ) -> None:
+        """One tensor: ``views`` are the BHSD input and output views."""
         cuda_ = self._cuda
-        with self._on_device():
-            views = [self.view(a) for a in (x, cos, sin)]
-            ids = None if position_ids is None else self.view(position_ids)
-            result = self.view(out)
-            x_extent, out_extent = cuda_.byte_extent(views[0]), cuda_.byte_extent(result)
-            in_place = x_extent[0] == out_extent[0] and views[0].strides == result.strides
-            others = views[1:] + ([] if ids is None else [ids])
-            others += [] if in_place else [views[0]]
-            overlaps = any(_intersect(cuda_.byte_extent(v), out_extent) for v in others)
-            # Rotating in place is safe (each thread reads its elements before writing
-            # them); any other overlap of out with an input goes through a fresh buffer.
-            target = (
-                cuda_.device_array(result.shape, result.dtype, self.stream) if overlaps else result
-            )
-            cuda_._launch_cuda(
-                views[0],
-                views[1],
-                views[2],
-                ids,
-                target,
-                interleaved,
-                rotary_dim,
-                input_dtype=self.dtype_of(x).name,
-                cache_dtype=self.dtype_of(cos).name,
-                in_place=in_place and not overlaps,
-                stream=self.stream,
-            )
-            if overlaps:
-                cuda_.copy(target, result, self.stream)
+        x, result = views
+        cos_view, sin_view = self.view(cos), self.view(sin)
+        in_place = _same_view(x, result)
+        others = [cos_view, sin_view] + (
+            [] if _is_host_int(positions) or positions is None else [positions]
+        )
+        others += [] if in_place else [x]
+        overlaps = any(_views_intersect(v, result) for v in others)
+        # Rotating in place is safe (each thread reads its elements before writing
+        # them); any other overlap of out with an input goes through a fresh buffer.
+        target = cuda_.device_array(result.shape, result.dtype, self.stream) if overlaps else result
+        cuda_._launch_cuda(
+            x,
+            cos_view,
+            sin_view,
+            positions,
+            target,
+            interleaved,
+            rotary_dim,
+            input_dtype=input_dtype,
+            cache_dtype=self.dtype_of(cos).name,
+            in_place=in_place and not overlaps,
+            stream=self.stream,
+            sign=-1.0 if inverse else 1.0,
+        )
+        if overlaps:
+            cuda_.copy(target, result, self.stream)
+
+
+def _is_host_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer))
+
+
+def _same_view(a: Any, b: Any) -> bool:
+    """Two numba views of exactly the same elements (rotating in place)."""
+    from numba_rope import _cuda
+
+    return _cuda.byte_extent(a)[0] == _cuda.byte_extent(b)[0] and a.strides == b.strides
+
+
+def _views_intersect(a: Any, b: Any) -> bool:
+    from numba_rope import _cuda
+
+    return _intersect(_cuda.byte_extent(a), _cuda.byte_extent(b))
 
 
 def _intersect(a: tuple[int, int], b: tuple[int, int]) -> bool:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from numba_rope import _dispatch
-from numba_rope._validation import check_call
+from numba_rope._validation import check_call, check_qk
 
 
 def rotary_embedding(
@@ -17,6 +19,10 @@ def rotary_embedding(
     interleaved: bool = False,
     rotary_embedding_dim: int = 0,
     out: Any = None,
+    layout: str = "bhsd",
+    num_heads: int | None = None,
+    position_offset: Any = None,
+    inverse: bool = False,
     stream: Any = None,
     check_position_ids: bool = True,
 ) -> Any:
@@ -29,9 +35,12 @@ def rotary_embedding(
 
     Parameters
     ----------
-    input : array, shape ``[batch, num_heads, seq_len, head_size]``
-        float32, float16, bfloat16 (``ml_dtypes.bfloat16``) or float64. Any strides,
-        including views such as ``qkv[..., :128]`` and negative strides.
+    input : array
+        ``[batch, num_heads, seq_len, head_size]`` (``layout="bhsd"``), ``[batch,
+        seq_len, num_heads, head_size]`` (``layout="bshd"``), or 3-D ``[batch, seq_len,
+        num_heads * head_size]`` with ``num_heads=``. float32, float16, bfloat16
+        (``ml_dtypes.bfloat16``) or float64. Any strides, including views such as
+        ``qkv[..., :128]`` and negative strides.
     cos_cache, sin_cache : array
         Without ``position_ids``: shape ``[batch, seq_len, rotary_dim/2]``.
         With ``position_ids``: shape ``[max_position_id + 1, rotary_dim/2]``.
@@ -39,6 +48,7 @@ def rotary_embedding(
     position_ids : integer array, shape ``[batch, seq_len]``, optional
         Row of the caches used by each token (int64; int32 and other integer types are
         accepted). Every id must lie in ``[0, cache rows)``, else ``IndexError``.
+        Caches with position ids (or an offset) are 2-D.
     interleaved : bool, default False
         True: pairs are ``(x[2i], x[2i+1])``. False: pairs are ``(x[i], x[i + rotary_dim/2])``.
     rotary_embedding_dim : int, default 0
@@ -47,15 +57,29 @@ def rotary_embedding(
     out : array, optional
         Where to write the result: same shape and dtype as ``input``. May be ``input``
         itself (in place). It is left untouched when the call raises.
+    layout : {"bhsd", "bshd"}, default "bhsd"
+        Axis order of 4-D ``input`` and ``out``: TensorRT/ONNX's, or Hugging Face /
+        flash-attn / vLLM's ``[batch, seq_len, num_heads, head_size]``.
+    num_heads : int, optional
+        Required for 3-D input (ONNX's 3-D form), whose last axis holds the heads.
+    position_offset : int or integer array of shape ``[batch]``, optional
+        Token ``s`` of sequence ``b`` uses cache row ``offset[b] + s`` (decoding with a
+        KV cache), as if ``position_ids = offset[:, None] + arange(seq_len)``, without
+        building them. Not together with ``position_ids``.
+    inverse : bool, default False
+        Rotate by the negative angle: the exact inverse of the rotation, and its
+        gradient with respect to ``input`` (``inverse=True`` equals passing
+        ``-sin_cache``, bit for bit).
     stream : optional
         GPU arrays only (ignored for NumPy arrays): the CUDA stream to run on, as a numba
         stream, a ``torch.cuda.Stream``, a ``cupy.cuda.Stream`` or a raw handle. Default:
         torch's current stream for torch tensors, CuPy's for CuPy arrays, else Numba's
         default stream.
     check_position_ids : bool, default True
-        GPU arrays only: False skips the range check of ``position_ids`` (a small kernel
-        and one synchronization); tokens with an out-of-range id then get a row of NaN
-        instead of an ``IndexError``. On the CPU ids are always checked.
+        GPU arrays only: False skips the range check of ``position_ids`` or of an
+        offset array (a small kernel and one synchronization); tokens whose position is
+        out of range then get a row of NaN instead of an ``IndexError``. On the CPU
+        positions are always checked.
 
     Returns
     -------
@@ -96,9 +120,11 @@ def rotary_embedding(
     array([[ 1.,  1.,  1.,  1.],
            [-1.,  1.,  1.,  1.]], dtype=float32)
     """
-    backend = _dispatch.backend_for(input, cos_cache, sin_cache, position_ids, out, stream)
+    offset_array = None if _dispatch.is_scalar(position_offset) else position_offset
+    arrays = (input, cos_cache, sin_cache, position_ids, out, offset_array)
+    backend = _dispatch.backend_for(arrays, _dispatch.ARGUMENT_NAMES, stream)
     describe = backend.describe
-    interleaved, rotary_dim = check_call(
+    interleaved, rotary_dim, inverse, shape = check_call(
         *describe(input),
         *describe(cos_cache),
         *describe(sin_cache),
@@ -106,7 +132,127 @@ def rotary_embedding(
         *describe(out),
         interleaved,
         rotary_embedding_dim,
+        layout,
+        num_heads,
+        *_describe_offset(backend, position_offset),
+        inverse,
     )
+    call = (interleaved, rotary_dim, inverse, shape, layout)
     return backend.run(
-        input, cos_cache, sin_cache, position_ids, out, interleaved, rotary_dim, check_position_ids
+        input, cos_cache, sin_cache, position_ids, position_offset, out, call, check_position_ids
+    )
+
+
+def _describe_offset(backend: Any, position_offset: Any) -> tuple[Any, Any]:
+    if position_offset is None or not _dispatch.is_scalar(position_offset):
+        return backend.describe(position_offset)
+    if isinstance(position_offset, (bool, np.bool_)):
+        return (), np.dtype(bool)  # refused by validation, with the usual message
+    return (), np.asarray(position_offset).dtype
+
+
+def rotary_embedding_qk(
+    q: Any,
+    k: Any,
+    cos_cache: Any,
+    sin_cache: Any,
+    position_ids: Any = None,
+    *,
+    interleaved: bool = False,
+    rotary_embedding_dim: int = 0,
+    layout: str = "bhsd",
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    position_offset: Any = None,
+    inverse: bool = False,
+    out_q: Any = None,
+    out_k: Any = None,
+    stream: Any = None,
+    check_position_ids: bool = True,
+) -> tuple[Any, Any]:
+    """Rotate queries and keys in one pass (one launch on the GPU).
+
+    Equal to ``(rotary_embedding(q, ...), rotary_embedding(k, ...))`` with the same
+    caches and keywords, bit for bit. ``k`` may have fewer heads than ``q``
+    (grouped-query attention); batch, sequence length, head size and dtype must match.
+
+    Parameters
+    ----------
+    q, k : array
+        As ``input`` of :func:`rotary_embedding`, in the same ``layout``. For 3-D
+        input, ``num_heads`` splits q and ``num_kv_heads`` (default: ``num_heads``)
+        splits k.
+    out_q, out_k : array, optional
+        Destinations (may be ``q`` and ``k`` themselves, e.g. views of one fused qkv
+        buffer rotated in place). They must not share memory with each other.
+    cos_cache, sin_cache, position_ids, interleaved, rotary_embedding_dim, layout, \
+position_offset, inverse, stream, check_position_ids
+        As for :func:`rotary_embedding`.
+
+    Returns
+    -------
+    (q_out, k_out)
+        ``out_q``/``out_k`` if given, else new arrays of the inputs' type.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import numba_rope
+    >>> cos, sin = numba_rope.rope_cache(16, 8)
+    >>> qkv = np.random.default_rng(0).standard_normal((1, 3, 4, 8 + 8 + 8), np.float32)
+    >>> q, k = qkv[..., :8], qkv[..., 8:16]
+    >>> expected_q = numba_rope.rotary_embedding(q, cos, sin, position_offset=5, layout="bshd")
+    >>> _ = numba_rope.rotary_embedding_qk(
+    ...     q, k, cos, sin, position_offset=5, layout="bshd", out_q=q, out_k=k
+    ... )
+    >>> bool(np.array_equal(qkv[..., :8], expected_q))
+    True
+    """
+    offset_array = None if _dispatch.is_scalar(position_offset) else position_offset
+    arrays = (q, k, cos_cache, sin_cache, position_ids, out_q, out_k, offset_array)
+    backend = _dispatch.backend_for(arrays, _dispatch.QK_ARGUMENT_NAMES, stream)
+    describe = backend.describe
+    offset = _describe_offset(backend, position_offset)
+    q_call = check_call(
+        *describe(q),
+        *describe(cos_cache),
+        *describe(sin_cache),
+        *describe(position_ids),
+        *describe(out_q),
+        interleaved,
+        rotary_embedding_dim,
+        layout,
+        num_heads,
+        *offset,
+        inverse,
+    )
+    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    k_call = check_call(
+        *describe(k),
+        *describe(cos_cache),
+        *describe(sin_cache),
+        *describe(position_ids),
+        *describe(out_k),
+        interleaved,
+        rotary_embedding_dim,
+        layout,
+        kv_heads,
+        *offset,
+        inverse,
+    )
+    check_qk(q_call[3], describe(q)[1], k_call[3], describe(k)[1])
+    call = (*q_call[:4], layout)
+    return backend.run_qk(
+        q,
+        k,
+        cos_cache,
+        sin_cache,
+        position_ids,
+        position_offset,
+        out_q,
+        out_k,
+        call,
+        q_call[3],
+        k_call[3],
+        check_position_ids,
     )

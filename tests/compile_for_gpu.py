@@ -58,16 +58,60 @@ def main() -> int:
     ]
     compiled = 0
     try:
-        variants = [(pair, ids) for pair in pairs for ids in (types.int64, None)]
-        variants += [(("float32", "float32"), types.int32), (("bfloat16", "float32"), types.uint8)]
-        for (input_dtype, cache_dtype), ids in variants:
-            kernel = _cuda._make_rope_kernel(input_dtype, cache_dtype, ids is not None, 4)
+        # (dtype pair, kind of positions, numba type of the positions argument)
+        kinds = [
+            ("ids", types.Array(types.int64, 2, "A")),
+            ("token", None),
+            ("offsets", types.Array(types.int64, 1, "A")),
+            ("offset", types.int64),
+        ]
+        variants = [(pair, kind, positions) for pair in pairs for kind, positions in kinds]
+        variants += [
+            (("float32", "float32"), "ids", types.Array(types.int32, 2, "A")),
+            (("bfloat16", "float32"), "ids", types.Array(types.uint8, 2, "A")),
+        ]
+        for (input_dtype, cache_dtype), kind, positions in variants:
+            compute = types.float64 if input_dtype == "float64" else types.float32
             x = types.Array(storage[input_dtype], 4, "A")
-            cache = types.Array(storage[cache_dtype], 2 if ids is not None else 3, "A")
-            position_ids = types.Array(ids, 2, "A") if ids is not None else cache
-            signature = (x, cache, cache, position_ids, x, types.boolean, types.int64, types.int64)
-            cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
-            compiled += 1
+            cache = types.Array(storage[cache_dtype], 3 if kind == "token" else 2, "A")
+            positions = cache if positions is None else positions
+            # The fused kernel shares the per-token device function: two dtype pairs
+            # type-check its own body.
+            fused_too = (input_dtype, cache_dtype) in (
+                ("float32", "float32"),
+                ("bfloat16", "bfloat16"),
+            )
+            for fused in (False, True) if fused_too else (False,):
+                kernel = _cuda._make_rope_kernel(input_dtype, cache_dtype, kind, 4, fused)
+                if fused:
+                    signature = (
+                        x,
+                        x,
+                        cache,
+                        cache,
+                        positions,
+                        x,
+                        x,
+                        types.boolean,
+                        types.int64,
+                        types.int64,
+                        types.int64,
+                        compute,
+                    )
+                else:
+                    signature = (
+                        x,
+                        cache,
+                        cache,
+                        positions,
+                        x,
+                        types.boolean,
+                        types.int64,
+                        types.int64,
+                        compute,
+                    )
+                cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
+                compiled += 1
         for ids in (types.int64, types.uint64, types.int32):
             flag = types.Array(types.int64, 1, "C")
             cuda.compile_ptx(

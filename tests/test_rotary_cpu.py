@@ -117,7 +117,7 @@ def test_default_threshold_routes_small_serial_and_large_parallel(rng, monkeypat
     calls = []
     real = _cpu._run_parallel
     monkeypatch.setattr(
-        _cpu, "_run_parallel", lambda *args: calls.append(args[0].shape) or real(*args)
+        _cpu, "_run_parallel", lambda *args: calls.append(args[1][0].shape) or real(*args)
     )
     small = make_case(rng, (2, 8, 4, 512), np.float32)
     numba_rope.rotary_embedding(*small)

@@ -460,7 +460,11 @@ def test_type_errors(case):
 
 
 GPU_VALUE_ERRORS = {
-    "3-D input": ({"input": np.ones((2, 3, 8), np.float32)}, {}, "must be 4-D"),
+    "3-D input without num_heads": (
+        {"input": np.ones((2, 3, 8), np.float32)},
+        {},
+        "needs num_heads=",
+    ),
     "odd rotary dim": ({}, {"rotary_embedding_dim": 3}, "must be even"),
     "cache width": (
         {"cos_cache": np.ones((10, 3), np.float32), "sin_cache": np.ones((10, 3), np.float32)},

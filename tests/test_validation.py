@@ -88,7 +88,11 @@ def test_interleaved_of_wrong_type():
 
 
 VALUE_ERRORS = {
-    "3-D input": (replace(good(), input=np.ones((B, S, D), np.float32)), {}, "must be 4-D"),
+    "3-D input without num_heads": (
+        replace(good(), input=np.ones((B, S, D), np.float32)),
+        {},
+        "needs num_heads=",
+    ),
     "5-D input": (replace(good(), input=np.ones((1, B, H, S, D), np.float32)), {}, "5-D"),
     "odd rotary dim": (good(), {"rotary_embedding_dim": 3}, "must be even.*got 3"),
     "negative rotary dim": (good(), {"rotary_embedding_dim": -2}, "got -2"),
