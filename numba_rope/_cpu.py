@@ -16,8 +16,9 @@ import threading
 
 import numba
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import overload
+from llvmlite import ir
+from numba import carray, njit, prange, types
+from numba.extending import intrinsic, overload
 
 from numba_rope import config
 from numba_rope._conversions import narrow_like, widen
@@ -40,58 +41,122 @@ def _cache_row_index_overload(cache, positions, b, s):
     return lambda cache, positions, b, s: (positions[b] + s,)
 
 
+def _cache_row_offset(cache, positions, b, s):  # pragma: no cover - see overload
+    """Byte offset of the cache row of token (b, s)."""
+    raise NotImplementedError
+
+
+@overload(_cache_row_offset, inline="always")
+def _cache_row_offset_overload(cache, positions, b, s):
+    if isinstance(positions, types.NoneType):
+        return lambda cache, positions, b, s: b * cache.strides[0] + s * cache.strides[1]
+    if positions.ndim == 2:
+        return lambda cache, positions, b, s: positions[b, s] * cache.strides[0]
+    return lambda cache, positions, b, s: (positions[b] + s) * cache.strides[0]
+
+
+@intrinsic
+def _element_pointer(typingctx, array, byte_offset):
+    """Pointer to the byte ``byte_offset`` past the start of ``array``'s data."""
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        address = builder.add(builder.ptrtoint(data, ir.IntType(64)), args[1])
+        return builder.inttoptr(address, data.type)
+
+    return types.CPointer(array.dtype)(array, byte_offset), codegen
+
+
+@njit(cache=True, inline="always")
+def _row(array, byte_offset, length):
+    """A C-contiguous 1-D array over ``length`` elements of ``array`` starting at
+    ``byte_offset``: no copy and, unlike a slice, no reference count to update."""
+    return carray(_element_pointer(array, byte_offset), (length,))
+
+
+@njit(cache=True, inline="always")
+def _rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign):
+    """Rotate one row. The indices are unsigned: numba then emits no negative-index
+    wrap-around, which would keep these loops from vectorizing. Each pair is read before
+    either of its elements is written, so ``out_row`` may be ``x_row``."""
+    half = rotary_dim // 2
+    if interleaved:
+        for pair in range(half):
+            i = np.uint64(pair)
+            i1 = np.uint64(2 * pair)
+            i2 = np.uint64(2 * pair + 1)
+            y1, y2 = rotate_pair(
+                widen(x_row[i1]), widen(x_row[i2]), widen(cos_row[i]), widen(sin_row[i]) * sign
+            )
+            out_row[i1] = narrow_like(y1, out_row)
+            out_row[i2] = narrow_like(y2, out_row)
+    else:
+        for pair in range(half):
+            i = np.uint64(pair)
+            i2 = np.uint64(pair + half)
+            y1, y2 = rotate_pair(
+                widen(x_row[i]), widen(x_row[i2]), widen(cos_row[i]), widen(sin_row[i]) * sign
+            )
+            out_row[i] = narrow_like(y1, out_row)
+            out_row[i2] = narrow_like(y2, out_row)
+    for channel in range(rotary_dim, x_row.shape[0]):
+        i = np.uint64(channel)
+        out_row[i] = x_row[i]
+
+
 @njit(cache=True)
 def _rope_rows(x, cos, sin, positions, out, interleaved, rotary_dim, sign, first_row, end_row):
     """Rotate rows ``first_row <= r < end_row`` of ``x`` (numbered as (b, h, s)).
 
-    The arrays are indexed element by element rather than through per-row views: a
-    view costs an atomic reference-count update, and two threads updating the same
-    count took 70% longer than a copy of the data (float16, prefill shape). Written
-    this way LLVM vectorizes the inner loops (with F16C conversions for float16).
-    Each pair is read before either of its elements is written, so ``out`` may be
-    ``x`` itself. ``sign`` is +1 or -1 (the inverse rotation): it multiplies the sines,
-    exactly.
+    When every row is contiguous in memory (unit stride along the last axis of the
+    input, the output and the caches: contiguous arrays, but also views such as
+    ``qkv[..., :128]`` or transposed layouts), rows are taken as C-contiguous arrays
+    over raw pointers, which LLVM vectorizes fully (F16C conversions for float16).
+    Otherwise rows are slices (slower: each slice updates a shared reference count).
+    ``sign`` is +1 or -1 (the inverse rotation): it multiplies the sines, exactly.
     """
     sign = np.float32(sign)  # +-1: exact in every compute type, keeps float32 float32
     num_heads = x.shape[1]
     seq_len = x.shape[2]
     head_size = x.shape[3]
     half = rotary_dim // 2
+    contiguous_rows = (
+        x.strides[3] == x.itemsize
+        and out.strides[3] == out.itemsize
+        and cos.strides[cos.ndim - 1] == cos.itemsize
+        and sin.strides[sin.ndim - 1] == sin.itemsize
+    )
     # Three integer divisions per row cost as much as moving a row, so the (b, h, s)
     # of the first row is computed once and then counted forward.
     s = first_row % seq_len
     h = (first_row // seq_len) % num_heads
     b = first_row // (seq_len * num_heads)
     for _ in range(end_row - first_row):
-        row_index = _cache_row_index(cos, positions, b, s)
-        if interleaved:
-            for pair in range(half):
-                # Unsigned indices: numba then emits no negative-index wrap-around,
-                # which would otherwise keep these loops from vectorizing.
-                i = np.uint64(pair)
-                i1 = np.uint64(2 * pair)
-                i2 = np.uint64(2 * pair + 1)
-                x1 = widen(x[b, h, s, i1])
-                x2 = widen(x[b, h, s, i2])
-                y1, y2 = rotate_pair(
-                    x1, x2, widen(cos[row_index + (i,)]), widen(sin[row_index + (i,)]) * sign
-                )
-                out[b, h, s, i1] = narrow_like(y1, out)
-                out[b, h, s, i2] = narrow_like(y2, out)
+        if contiguous_rows:
+            x_offset = b * x.strides[0] + h * x.strides[1] + s * x.strides[2]
+            out_offset = b * out.strides[0] + h * out.strides[1] + s * out.strides[2]
+            cos_row = _row(cos, _cache_row_offset(cos, positions, b, s), half)
+            sin_row = _row(sin, _cache_row_offset(sin, positions, b, s), half)
+            _rotate_row(
+                _row(x, x_offset, head_size),
+                cos_row,
+                sin_row,
+                _row(out, out_offset, head_size),
+                interleaved,
+                rotary_dim,
+                sign,
+            )
         else:
-            for pair in range(half):
-                i = np.uint64(pair)
-                i2 = np.uint64(pair + half)
-                x1 = widen(x[b, h, s, i])
-                x2 = widen(x[b, h, s, i2])
-                y1, y2 = rotate_pair(
-                    x1, x2, widen(cos[row_index + (i,)]), widen(sin[row_index + (i,)]) * sign
-                )
-                out[b, h, s, i] = narrow_like(y1, out)
-                out[b, h, s, i2] = narrow_like(y2, out)
-        for channel in range(rotary_dim, head_size):
-            i = np.uint64(channel)
-            out[b, h, s, i] = x[b, h, s, i]
+            row_index = _cache_row_index(cos, positions, b, s)
+            _rotate_row(
+                x[b, h, s],
+                cos[row_index],
+                sin[row_index],
+                out[b, h, s],
+                interleaved,
+                rotary_dim,
+                sign,
+            )
         s += 1
         if s == seq_len:
             s = 0
