@@ -3,8 +3,10 @@
 Four sequences of different lengths are already in the KV cache; each step appends one
 token per sequence. The fused projection ``qkv = hidden @ w_qkv`` gives the queries,
 keys and values; RoPE rotates q and k *in place, as strided views of qkv* (no copies),
-each token at its own position: the length of its sequence's cache (the cache offset).
-Grouped-query attention: 8 query heads share 2 key/value heads.
+in one pass (``rotary_embedding_qk``), in Hugging Face's ``[batch, seq, heads, dim]``
+layout, each token at its own position given by its sequence's cache length
+(``position_offset``). Grouped-query attention: 8 query heads share 2 key/value heads.
+The cos/sin caches come from ``rope_cache``.
 
 Run: python examples/llama_decode_step.py
 """
@@ -19,11 +21,11 @@ hidden_size = num_heads * head_dim
 max_positions = 1024
 rope_theta = 10000.0
 
-# cos/sin caches, built once: row p holds cos and sin of p * theta ** (-2i / head_dim).
-inverse_frequency = rope_theta ** (-np.arange(0, head_dim, 2) / head_dim)
-angles = np.arange(max_positions)[:, np.newaxis] * inverse_frequency
-cos_cache = np.cos(angles).astype(np.float32)  # [max_positions, head_dim / 2]
-sin_cache = np.sin(angles).astype(np.float32)
+# cos/sin caches, built once: row p holds cos and sin of p * theta ** (-2i / head_dim)
+# (computed in float64, rounded once). Llama 3 models would pass their scaling, e.g.
+# scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+#          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}.
+cos_cache, sin_cache = numba_rope.rope_cache(max_positions, head_dim, base=rope_theta)
 
 rng = np.random.default_rng(0)
 qkv_size = (num_heads + 2 * num_kv_heads) * head_dim
@@ -42,16 +44,21 @@ def decode_step(hidden: np.ndarray) -> np.ndarray:
     """One new token per sequence: hidden [batch, 1, hidden_size] -> attention output."""
     seq_len = hidden.shape[1]
     qkv = hidden @ w_qkv  # [batch, seq_len, (num_heads + 2 * num_kv_heads) * head_dim]
-    # [batch, heads, seq_len, head_dim] views into qkv: RoPE reads and writes them in place.
-    heads = qkv.reshape(batch, seq_len, -1, head_dim).transpose(0, 2, 1, 3)
-    q = heads[:, :num_heads]
-    k = heads[:, num_heads : num_heads + num_kv_heads]
-    v = heads[:, num_heads + num_kv_heads :]
+    # [batch, seq_len, heads, head_dim] ("bshd", as Hugging Face holds them) views into
+    # qkv: RoPE reads and writes them in place, q and k in one pass.
+    heads = qkv.reshape(batch, seq_len, -1, head_dim)
+    q = heads[:, :, :num_heads]
+    k = heads[:, :, num_heads : num_heads + num_kv_heads]
+    v = heads[:, :, num_heads + num_kv_heads :].transpose(0, 2, 1, 3)
 
-    positions = cache_lengths[:, np.newaxis] + np.arange(seq_len)  # [batch, seq_len]
     q_before, k_before = q.copy(), k.copy()  # only to check the result below
-    numba_rope.rotary_embedding(q, cos_cache, sin_cache, positions, out=q)
-    numba_rope.rotary_embedding(k, cos_cache, sin_cache, positions, out=k)
+    # Each sequence's new tokens sit at positions cache_length + 0, 1, ...: an offset.
+    numba_rope.rotary_embedding_qk(
+        q, k, cos_cache, sin_cache, position_offset=cache_lengths, layout="bshd", out_q=q, out_k=k
+    )
+    q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)  # [batch, heads, seq, dim] views
+    q_before, k_before = q_before.transpose(0, 2, 1, 3), k_before.transpose(0, 2, 1, 3)
+    positions = cache_lengths[:, np.newaxis] + np.arange(seq_len)  # [batch, seq_len]
 
     # Check against the float64 oracle (float32 arithmetic: within a few ulps).
     for rotated, before in ((q, q_before), (k, k_before)):

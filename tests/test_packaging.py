@@ -33,3 +33,16 @@ def test_demo_command_succeeds():
     assert result.returncode == 0, result.stderr
     for dtype in ("float32", "float16", "bfloat16"):
         assert re.search(rf"^{dtype}\s.*\sok$", result.stdout, re.M), result.stdout
+
+
+def test_readme_cpu_examples_run():
+    """Each CPU example of the README runs as written (the GPU ones need a GPU)."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    namespace: dict = {}
+    ran = 0
+    for block in blocks:
+        if any(word in block for word in ("cupy", "torch", "from numba import cuda")):
+            continue
+        exec(compile(block, "README.md", "exec"), namespace)
+        ran += 1
+    assert ran >= 3
