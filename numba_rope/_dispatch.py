@@ -174,6 +174,7 @@ class CpuBackend:
         result = _output(x, out)
         positions = _kernel_positions(position_ids, position_offset, cos.shape[0], shape)
         if x.size == 0:
+            _check_positions_on_host(positions, position_ids, position_offset, cos.shape[0], shape)
             return result
         views = (_storage(bhsd(x, layout, shape)), _storage(bhsd(result, layout, shape)))
         args = (_storage(cos), _storage(sin), positions)
@@ -207,6 +208,9 @@ class CpuBackend:
         result_q, result_k = _output(q, out_q), _output(k, out_k)
         positions = _kernel_positions(position_ids, position_offset, cos.shape[0], q_shape)
         if q.size + k.size == 0:
+            _check_positions_on_host(
+                positions, position_ids, position_offset, cos.shape[0], q_shape
+            )
             return result_q, result_k
         qs = (_storage(bhsd(q, layout, q_shape)), _storage(bhsd(result_q, layout, q_shape)))
         ks = (_storage(bhsd(k, layout, k_shape)), _storage(bhsd(result_k, layout, k_shape)))
@@ -260,6 +264,19 @@ def _kernel_positions(position_ids, position_offset, n_positions: int, shape) ->
         b = int(np.argmax(offsets > np.iinfo(np.int64).max))
         raise offset_error(b, int(offsets[b]), seq_len, n_positions)
     return offsets.astype(np.int64)
+
+
+def _check_positions_on_host(positions, position_ids, position_offset, n_positions, shape):
+    """The kernels check positions before they write; with nothing to rotate (an empty
+    input) no kernel runs, and bad positions are still an error."""
+    if positions is None:
+        return
+    if positions.ndim == 2:
+        bad = _cpu.first_bad_position(positions, n_positions)
+    else:
+        bad = int(_cpu._first_bad_offset(positions, n_positions, shape[2]))
+    if bad >= 0:
+        _raise_position_error(bad, position_ids, position_offset, n_positions, shape)
 
 
 def _raise_position_error(index, position_ids, position_offset, n_positions, shape):
@@ -697,6 +714,3 @@ def _views_intersect(a: Any, b: Any) -> bool:
 
 def _intersect(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
-
-
-BACKENDS: dict[str, Any] = {"cpu": CpuBackend, "cuda": CudaBackend}

@@ -207,3 +207,14 @@ def test_in_place_input_is_untouched_on_error():
     with pytest.raises(IndexError):
         numba_rope.rotary_embedding(**replace(args, position_ids=ids), out=x)
     np.testing.assert_array_equal(x, before)
+
+
+def test_bad_ids_are_refused_even_when_there_is_nothing_to_rotate():
+    x = np.zeros((B, 0, S, D), np.float32)  # no heads
+    cache = np.ones((10, D // 2), np.float32)
+    ids = np.zeros((B, S), np.int64)
+    ids[1, 2] = 10
+    with pytest.raises(IndexError, match=r"position_ids\[1, 2\] = 10"):
+        numba_rope.rotary_embedding(x, cache, cache, ids)
+    with pytest.raises(IndexError, match=r"position_offset\[0\] = 8"):
+        numba_rope.rotary_embedding(x, cache, cache, position_offset=np.array([8, 0]))
