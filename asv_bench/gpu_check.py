@@ -200,10 +200,66 @@ def check_correctness(quick: bool, rng) -> tuple[list[list[str]], bool]:
                     "ok" if ok else "FAILED",
                 ]
             )
+        for dtype_name in ("float32", "bfloat16"):
+            worst, same, n = check_features(lib, rng, quick, DTYPES[dtype_name], dtype_name)
+            ok = worst <= 1.0
+            all_ok &= ok
+            rows.append(
+                [
+                    "features",
+                    lib.name,
+                    dtype_name,
+                    f"{n} calls: bshd, 3-D, offsets, inverse, fused q+k",
+                    f"{worst:.3f}",
+                    f"{100 * same:.2f}%",
+                    "ok" if ok else "FAILED",
+                ]
+            )
         ok, detail = check_errors(lib, rng)
         all_ok &= ok
         rows.append(["errors", lib.name, "float32", detail, "", "", "ok" if ok else "FAILED"])
     return rows, all_ok
+
+
+def check_features(lib, rng, quick: bool, dtype, dtype_name: str) -> tuple[float, float, int]:
+    """Layouts, 3-D input, position offsets, the inverse and fused q+k: GPU against CPU."""
+    batch, heads, seq_len, head = (2, 3, 4, 8) if quick else (2, 8, 17, 128)
+    x, cos, sin, _ = make_case(rng, (batch, seq_len, heads, head), dtype, n_positions=64)
+    k = rng.standard_normal((batch, seq_len, 2, head), dtype=np.float32).astype(dtype)
+    offsets = np.array([3, 40])
+    calls = [
+        ((x, cos, sin), {"layout": "bshd", "position_offset": 5}),
+        ((x, cos, sin), {"layout": "bshd", "position_offset": offsets, "inverse": True}),
+        (
+            (x.reshape(batch, seq_len, heads * head), cos, sin),
+            {"num_heads": heads, "position_offset": 7},
+        ),
+    ]
+    worst, same, n = 0.0, 1.0, 0
+    for args, kwargs in calls:
+        want = numba_rope.rotary_embedding(*args, **kwargs)
+        device_kwargs = {
+            key: lib.to_device(value) if isinstance(value, np.ndarray) else value
+            for key, value in kwargs.items()
+        }
+        got = numba_rope.rotary_embedding(*(lib.to_device(a) for a in args), **device_kwargs)
+        error, equal = compare(lib.to_host(got), want, x, cos, sin, dtype_name)
+        worst, same, n = max(worst, error), min(same, equal), n + 1
+    want_q, want_k = numba_rope.rotary_embedding_qk(
+        x, k, cos, sin, position_offset=2, layout="bshd"
+    )
+    got_q, got_k = numba_rope.rotary_embedding_qk(
+        lib.to_device(x),
+        lib.to_device(k),
+        lib.to_device(cos),
+        lib.to_device(sin),
+        position_offset=2,
+        layout="bshd",
+    )
+    for got, want in ((got_q, want_q), (got_k, want_k)):
+        error, equal = compare(lib.to_host(got), want, x, cos, sin, dtype_name)
+        worst, same, n = max(worst, error), min(same, equal), n + 1
+    return worst, same, n
 
 
 def check_errors(lib, rng) -> tuple[bool, str]:
