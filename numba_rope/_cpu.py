@@ -261,15 +261,23 @@ def _inputs_overlap(x, cos, sin, positions, out):
 
 
 @njit(cache=True)
+def _preflight(x, cos, sin, positions, out, check_overlap):
+    """What must stop a launch before anything is written: OVERLAP, or the index of
+    the first bad position; else DONE."""
+    if check_overlap and _inputs_overlap(x, cos, sin, positions, out):
+        return OVERLAP
+    bad = _check_positions(positions, cos.shape[0], x.shape[2])
+    return DONE if bad < 0 else bad
+
+
+@njit(cache=True)
 def _rope_cpu_serial(x, cos, sin, positions, out, interleaved, rotary_dim, sign, check_overlap):
     """Check, then rotate every row. Returns OVERLAP (``check_overlap`` and an input
     overlaps ``out``), the index of the first bad position id (flat) or offset (batch
     entry), or DONE; nothing is written unless it returns DONE."""
-    if check_overlap and _inputs_overlap(x, cos, sin, positions, out):
-        return OVERLAP
-    bad = _check_positions(positions, cos.shape[0], x.shape[2])
-    if bad >= 0:
-        return bad
+    status = _preflight(x, cos, sin, positions, out, check_overlap)
+    if status != DONE:
+        return status
     n_rows = x.shape[0] * x.shape[1] * x.shape[2]
     _rope_rows(x, cos, sin, positions, out, interleaved, rotary_dim, sign, 0, n_rows)
     return DONE
@@ -282,11 +290,9 @@ def _rope_cpu_parallel(
     """As :func:`_rope_cpu_serial`, with the rows split into ``n_chunks`` contiguous
     chunks run in parallel (each element's arithmetic is the same, so the result does
     not depend on the split)."""
-    if check_overlap and _inputs_overlap(x, cos, sin, positions, out):
-        return OVERLAP
-    bad = _check_positions(positions, cos.shape[0], x.shape[2])
-    if bad >= 0:
-        return bad
+    status = _preflight(x, cos, sin, positions, out, check_overlap)
+    if status != DONE:
+        return status
     n_rows = x.shape[0] * x.shape[1] * x.shape[2]
     for chunk in prange(n_chunks):
         first_row = chunk * n_rows // n_chunks
@@ -304,6 +310,15 @@ def _qk_overlap(q, k, cos, sin, positions, out_q, out_k):
         or _overlaps(q, out_k)
         or _overlaps(out_q, out_k)
     )
+
+
+@njit(cache=True)
+def _preflight_qk(q, k, cos, sin, positions, out_q, out_k, check_overlap):
+    """:func:`_preflight` for q and k together (cross overlaps included)."""
+    if check_overlap and _qk_overlap(q, k, cos, sin, positions, out_q, out_k):
+        return OVERLAP
+    bad = _check_positions(positions, cos.shape[0], q.shape[2])
+    return DONE if bad < 0 else bad
 
 
 @njit(cache=True)
@@ -336,11 +351,9 @@ def _rope_cpu_qk_serial(
     q, k, cos, sin, positions, out_q, out_k, interleaved, rotary_dim, sign, check_overlap
 ):
     """q and k in one call (see :func:`_rope_cpu_serial` for the return codes)."""
-    if check_overlap and _qk_overlap(q, k, cos, sin, positions, out_q, out_k):
-        return OVERLAP
-    bad = _check_positions(positions, cos.shape[0], q.shape[2])
-    if bad >= 0:
-        return bad
+    status = _preflight_qk(q, k, cos, sin, positions, out_q, out_k, check_overlap)
+    if status != DONE:
+        return status
     n_rows = q.shape[0] * q.shape[1] * q.shape[2] + k.shape[0] * k.shape[1] * k.shape[2]
     _rope_rows_qk(q, k, cos, sin, positions, out_q, out_k, interleaved, rotary_dim, sign, 0, n_rows)
     return DONE
@@ -351,11 +364,9 @@ def _rope_cpu_qk_parallel(
     q, k, cos, sin, positions, out_q, out_k, interleaved, rotary_dim, sign, check_overlap, n_chunks
 ):
     """q and k in one parallel region, their rows split into ``n_chunks`` chunks."""
-    if check_overlap and _qk_overlap(q, k, cos, sin, positions, out_q, out_k):
-        return OVERLAP
-    bad = _check_positions(positions, cos.shape[0], q.shape[2])
-    if bad >= 0:
-        return bad
+    status = _preflight_qk(q, k, cos, sin, positions, out_q, out_k, check_overlap)
+    if status != DONE:
+        return status
     n_rows = q.shape[0] * q.shape[1] * q.shape[2] + k.shape[0] * k.shape[1] * k.shape[2]
     for chunk in prange(n_chunks):
         first = chunk * n_rows // n_chunks
