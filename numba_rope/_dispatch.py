@@ -15,9 +15,9 @@ NumPy dtype, whatever the array library) for validation, and ``run(...)`` turns
 validated arguments into a result of the caller's array type: it allocates or checks
 ``out``, checks position ids, and hands the arrays to its kernels in their storage
 format (float16/bfloat16 as 16-bit integer views on the CPU, see
-:mod:`numba_rope._conversions`; bfloat16 as ``uint16`` views on the GPU). CuPy and torch are never imported here: they
-are recognised by the module of the array's type, and used only through the arrays the
-caller passed.
+:mod:`numba_rope._conversions`; bfloat16 as ``uint16`` views on the GPU). CuPy and torch
+are never imported here: they are recognised by the module of the array's type, and used
+only through the arrays the caller passed.
 """
 
 from __future__ import annotations
@@ -387,7 +387,7 @@ class CudaBackend:
     One instance per call: it holds the call's stream and GPU. The stream is, unless
     ``stream=`` overrides it, torch's current stream for torch input, CuPy's current
     stream for CuPy input, else Numba's default stream. Nothing here synchronizes,
-    except :meth:`first_bad_position` (one read-back).
+    except the position check in :meth:`_positions` (one read-back).
     """
 
     name = "cuda"
@@ -638,20 +638,6 @@ class CudaBackend:
                 "out is a read-only GPU array (its __cuda_array_interface__ says so); pass "
                 "a writeable array or omit out"
             )
-
-    def first_bad_position(self, position_ids: Any, n_positions: int) -> tuple[int, int] | None:
-        """``(flat index, value)`` of the first id outside ``[0, n_positions)``, if any.
-
-        One small kernel on the call's stream, then one read-back (a synchronization).
-        """
-        with self._on_device():
-            view = self.view(position_ids)
-            flat = self._cuda.first_bad_position(view, n_positions, self.stream, self.ordinal)
-            if flat < 0:
-                return None
-            seq_len = view.shape[1]
-            value = self._cuda.read_element(view, (flat // seq_len, flat % seq_len))
-        return flat, int(value)
 
     def _launch(
         self,

@@ -123,18 +123,18 @@ def rotary_embedding(
     offset_array = None if _dispatch.is_scalar(position_offset) else position_offset
     arrays = (input, cos_cache, sin_cache, position_ids, out, offset_array)
     backend = _dispatch.backend_for(arrays, _dispatch.ARGUMENT_NAMES, stream)
-    describe = backend.describe
-    interleaved, rotary_dim, inverse, shape = check_call(
-        *describe(input),
-        *describe(cos_cache),
-        *describe(sin_cache),
-        *describe(position_ids),
-        *describe(out),
+    interleaved, rotary_dim, inverse, shape = _check(
+        backend,
+        input,
+        cos_cache,
+        sin_cache,
+        position_ids,
+        out,
+        position_offset,
         interleaved,
         rotary_embedding_dim,
         layout,
         num_heads,
-        *_describe_offset(backend, position_offset),
         inverse,
     )
     call = (interleaved, rotary_dim, inverse, shape, layout)
@@ -143,12 +143,40 @@ def rotary_embedding(
     )
 
 
-def _describe_offset(backend: Any, position_offset: Any) -> tuple[Any, Any]:
-    if position_offset is None or not _dispatch.is_scalar(position_offset):
-        return backend.describe(position_offset)
-    if isinstance(position_offset, (bool, np.bool_)):
-        return (), np.dtype(bool)  # refused by validation, with the usual message
-    return (), np.asarray(position_offset).dtype
+def _check(
+    backend,
+    x,
+    cos_cache,
+    sin_cache,
+    position_ids,
+    out,
+    position_offset,
+    interleaved,
+    rotary_embedding_dim,
+    layout,
+    num_heads,
+    inverse,
+):
+    """:func:`check_call` on the shapes and dtypes the backend reads from the arguments
+    (a scalar offset is described by NumPy: shape ``()``, its dtype)."""
+    describe = backend.describe
+    if position_offset is not None and _dispatch.is_scalar(position_offset):
+        offset = ((), np.asarray(position_offset).dtype)
+    else:
+        offset = describe(position_offset)
+    return check_call(
+        *describe(x),
+        *describe(cos_cache),
+        *describe(sin_cache),
+        *describe(position_ids),
+        *describe(out),
+        interleaved,
+        rotary_embedding_dim,
+        layout,
+        num_heads,
+        *offset,
+        inverse,
+    )
 
 
 def rotary_embedding_qk(
@@ -211,36 +239,36 @@ position_offset, inverse, stream, check_position_ids
     offset_array = None if _dispatch.is_scalar(position_offset) else position_offset
     arrays = (q, k, cos_cache, sin_cache, position_ids, out_q, out_k, offset_array)
     backend = _dispatch.backend_for(arrays, _dispatch.QK_ARGUMENT_NAMES, stream)
-    describe = backend.describe
-    offset = _describe_offset(backend, position_offset)
-    q_call = check_call(
-        *describe(q),
-        *describe(cos_cache),
-        *describe(sin_cache),
-        *describe(position_ids),
-        *describe(out_q),
+    q_call = _check(
+        backend,
+        q,
+        cos_cache,
+        sin_cache,
+        position_ids,
+        out_q,
+        position_offset,
         interleaved,
         rotary_embedding_dim,
         layout,
         num_heads,
-        *offset,
         inverse,
     )
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    k_call = check_call(
-        *describe(k),
-        *describe(cos_cache),
-        *describe(sin_cache),
-        *describe(position_ids),
-        *describe(out_k),
+    k_call = _check(
+        backend,
+        k,
+        cos_cache,
+        sin_cache,
+        position_ids,
+        out_k,
+        position_offset,
         interleaved,
         rotary_embedding_dim,
         layout,
         kv_heads,
-        *offset,
         inverse,
     )
-    check_qk(q_call[3], describe(q)[1], k_call[3], describe(k)[1])
+    check_qk(q_call[3], backend.describe(q)[1], k_call[3], backend.describe(k)[1])
     call = (*q_call[:4], layout)
     return backend.run_qk(
         q,
