@@ -78,7 +78,9 @@ def _row(array, byte_offset, length):
 def _rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign):
     """Rotate one row. The indices are unsigned: numba then emits no negative-index
     wrap-around, which would keep these loops from vectorizing. Each pair is read before
-    either of its elements is written, so ``out_row`` may be ``x_row``."""
+    either of its elements is written, so ``out_row`` may be ``x_row``. Inlined into
+    kernels where ``interleaved`` and ``sign`` are constants, so that only the loop in
+    use is compiled and a ``sign`` of +1 costs nothing."""
     half = rotary_dim // 2
     if interleaved:
         for pair in range(half):
@@ -104,66 +106,144 @@ def _rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign)
         out_row[i] = x_row[i]
 
 
-@njit(cache=True)
-def _rope_rows(x, cos, sin, positions, out, interleaved, rotary_dim, sign, first_row, end_row):
-    """Rotate rows ``first_row <= r < end_row`` of ``x`` (numbered as (b, h, s)).
+def _rows_contiguous(x, cos, sin, out):  # pragma: no cover - see overload
+    """Whether every row of the four arrays is contiguous (unit last-axis stride)."""
+    raise NotImplementedError
 
-    When every row is contiguous in memory (unit stride along the last axis of the
-    input, the output and the caches: contiguous arrays, but also views such as
-    ``qkv[..., :128]`` or transposed layouts), rows are taken as C-contiguous arrays
-    over raw pointers, which LLVM vectorizes fully (F16C conversions for float16).
-    Otherwise rows are slices (slower: each slice updates a shared reference count).
-    ``sign`` is +1 or -1 (the inverse rotation): it multiplies the sines, exactly.
+
+@overload(_rows_contiguous, inline="always")
+def _rows_contiguous_overload(x, cos, sin, out):
+    # C-contiguous array types answer at compile time, so the general (slice) path is
+    # not compiled at all for them; other layouts are asked at run time.
+    if all(a.layout == "C" for a in (x, cos, sin, out)):
+        return lambda x, cos, sin, out: True
+
+    def impl(x, cos, sin, out):
+        return (
+            x.strides[3] == x.itemsize
+            and out.strides[3] == out.itemsize
+            and cos.strides[cos.ndim - 1] == cos.itemsize
+            and sin.strides[sin.ndim - 1] == sin.itemsize
+        )
+
+    return impl
+
+
+@njit(cache=True)
+def _n_units(x, tile, n_groups):
+    """Number of work units of ``x``: (batch, tile of ``tile`` tokens, head group)."""
+    return x.shape[0] * ((x.shape[2] + tile - 1) // tile) * n_groups
+
+
+def _make_kernels(interleaved: bool, inverse: bool):
+    """The CPU kernels for one (interleaved, inverse) pair, both compiled in as
+    constants: each call compiles only the rotation loop it runs.
+
+    Work is split into *units*: one batch entry, a tile of ``tile`` consecutive tokens
+    and a group of heads. A unit rotates its heads token tile by token tile, so the
+    tile's cos/sin rows are read from memory once and then reused by every head from
+    L1, while each head's rows stream through memory contiguously. Units are numbered
+    (batch, tile, group); the parallel kernels give each thread contiguous chunks of
+    them. The result does not depend on the split: every element is computed by the
+    same arithmetic.
     """
-    sign = np.float32(sign)  # +-1: exact in every compute type, keeps float32 float32
-    num_heads = x.shape[1]
-    seq_len = x.shape[2]
-    head_size = x.shape[3]
-    half = rotary_dim // 2
-    contiguous_rows = (
-        x.strides[3] == x.itemsize
-        and out.strides[3] == out.itemsize
-        and cos.strides[cos.ndim - 1] == cos.itemsize
-        and sin.strides[sin.ndim - 1] == sin.itemsize
-    )
-    # Three integer divisions per row cost as much as moving a row, so the (b, h, s)
-    # of the first row is computed once and then counted forward.
-    s = first_row % seq_len
-    h = (first_row // seq_len) % num_heads
-    b = first_row // (seq_len * num_heads)
-    for _ in range(end_row - first_row):
-        if contiguous_rows:
-            x_offset = b * x.strides[0] + h * x.strides[1] + s * x.strides[2]
-            out_offset = b * out.strides[0] + h * out.strides[1] + s * out.strides[2]
-            cos_row = _row(cos, _cache_row_offset(cos, positions, b, s), half)
-            sin_row = _row(sin, _cache_row_offset(sin, positions, b, s), half)
-            _rotate_row(
-                _row(x, x_offset, head_size),
-                cos_row,
-                sin_row,
-                _row(out, out_offset, head_size),
-                interleaved,
-                rotary_dim,
-                sign,
+    sign = np.float32(-1.0 if inverse else 1.0)  # exact in every compute type
+
+    @njit(cache=True)
+    def rope_units(x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups):
+        num_heads = x.shape[1]
+        seq_len = x.shape[2]
+        head_size = x.shape[3]
+        half = rotary_dim // 2
+        n_tiles = (seq_len + tile - 1) // tile
+        contiguous = _rows_contiguous(x, cos, sin, out)
+        for unit in range(first, end):
+            group = unit % n_groups
+            b = unit // (n_tiles * n_groups)
+            s0 = (unit // n_groups - b * n_tiles) * tile
+            s1 = min(s0 + tile, seq_len)
+            for h in range(group * num_heads // n_groups, (group + 1) * num_heads // n_groups):
+                for s in range(s0, s1):
+                    if contiguous:
+                        x_offset = b * x.strides[0] + h * x.strides[1] + s * x.strides[2]
+                        out_offset = b * out.strides[0] + h * out.strides[1] + s * out.strides[2]
+                        _rotate_row(
+                            _row(x, x_offset, head_size),
+                            _row(cos, _cache_row_offset(cos, positions, b, s), half),
+                            _row(sin, _cache_row_offset(sin, positions, b, s), half),
+                            _row(out, out_offset, head_size),
+                            interleaved,
+                            rotary_dim,
+                            sign,
+                        )
+                    else:
+                        row_index = _cache_row_index(cos, positions, b, s)
+                        _rotate_row(
+                            x[b, h, s],
+                            cos[row_index],
+                            sin[row_index],
+                            out[b, h, s],
+                            interleaved,
+                            rotary_dim,
+                            sign,
+                        )
+
+    @njit(cache=True)
+    def serial(x, cos, sin, positions, out, rotary_dim, check_overlap, tile, n_groups):
+        status = _preflight(x, cos, sin, positions, out, check_overlap)
+        if status != DONE:
+            return status
+        n_units = _n_units(x, tile, n_groups)
+        rope_units(x, cos, sin, positions, out, rotary_dim, 0, n_units, tile, n_groups)
+        return DONE
+
+    @njit(parallel=True, cache=True)
+    def parallel(x, cos, sin, positions, out, rotary_dim, check_overlap, tile, n_groups, n_chunks):
+        status = _preflight(x, cos, sin, positions, out, check_overlap)
+        if status != DONE:
+            return status
+        n_units = _n_units(x, tile, n_groups)
+        for chunk in prange(n_chunks):
+            first = chunk * n_units // n_chunks
+            end = (chunk + 1) * n_units // n_chunks
+            rope_units(x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups)
+        return DONE
+
+    @njit(cache=True)
+    def qk_units(q, k, cos, sin, positions, out_q, out_k, rotary_dim, first, end, tile, n_groups):
+        # Unit by unit, q's heads then k's: both use the tile's cos/sin rows from L1.
+        for unit in range(first, end):
+            rope_units(q, cos, sin, positions, out_q, rotary_dim, unit, unit + 1, tile, n_groups)
+            rope_units(k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups)
+
+    @njit(cache=True)
+    def qk_serial(
+        q, k, cos, sin, positions, out_q, out_k, rotary_dim, check_overlap, tile, n_groups
+    ):
+        status = _preflight_qk(q, k, cos, sin, positions, out_q, out_k, check_overlap)
+        if status != DONE:
+            return status
+        n_units = _n_units(q, tile, n_groups)
+        qk_units(q, k, cos, sin, positions, out_q, out_k, rotary_dim, 0, n_units, tile, n_groups)
+        return DONE
+
+    @njit(parallel=True, cache=True)
+    def qk_parallel(
+        q, k, cos, sin, positions, out_q, out_k, rotary_dim, check_overlap, tile, n_groups, n_chunks
+    ):
+        status = _preflight_qk(q, k, cos, sin, positions, out_q, out_k, check_overlap)
+        if status != DONE:
+            return status
+        n_units = _n_units(q, tile, n_groups)
+        for chunk in prange(n_chunks):
+            first = chunk * n_units // n_chunks
+            end = (chunk + 1) * n_units // n_chunks
+            qk_units(
+                q, k, cos, sin, positions, out_q, out_k, rotary_dim, first, end, tile, n_groups
             )
-        else:
-            row_index = _cache_row_index(cos, positions, b, s)
-            _rotate_row(
-                x[b, h, s],
-                cos[row_index],
-                sin[row_index],
-                out[b, h, s],
-                interleaved,
-                rotary_dim,
-                sign,
-            )
-        s += 1
-        if s == seq_len:
-            s = 0
-            h += 1
-            if h == num_heads:
-                h = 0
-                b += 1
+        return DONE
+
+    return serial, parallel, qk_serial, qk_parallel
 
 
 @njit(cache=True)
@@ -271,37 +351,6 @@ def _preflight(x, cos, sin, positions, out, check_overlap):
 
 
 @njit(cache=True)
-def _rope_cpu_serial(x, cos, sin, positions, out, interleaved, rotary_dim, sign, check_overlap):
-    """Check, then rotate every row. Returns OVERLAP (``check_overlap`` and an input
-    overlaps ``out``), the index of the first bad position id (flat) or offset (batch
-    entry), or DONE; nothing is written unless it returns DONE."""
-    status = _preflight(x, cos, sin, positions, out, check_overlap)
-    if status != DONE:
-        return status
-    n_rows = x.shape[0] * x.shape[1] * x.shape[2]
-    _rope_rows(x, cos, sin, positions, out, interleaved, rotary_dim, sign, 0, n_rows)
-    return DONE
-
-
-@njit(parallel=True, cache=True)
-def _rope_cpu_parallel(
-    x, cos, sin, positions, out, interleaved, rotary_dim, sign, check_overlap, n_chunks
-):
-    """As :func:`_rope_cpu_serial`, with the rows split into ``n_chunks`` contiguous
-    chunks run in parallel (each element's arithmetic is the same, so the result does
-    not depend on the split)."""
-    status = _preflight(x, cos, sin, positions, out, check_overlap)
-    if status != DONE:
-        return status
-    n_rows = x.shape[0] * x.shape[1] * x.shape[2]
-    for chunk in prange(n_chunks):
-        first_row = chunk * n_rows // n_chunks
-        end_row = (chunk + 1) * n_rows // n_chunks
-        _rope_rows(x, cos, sin, positions, out, interleaved, rotary_dim, sign, first_row, end_row)
-    return DONE
-
-
-@njit(cache=True)
 def _qk_overlap(q, k, cos, sin, positions, out_q, out_k):
     return (
         _inputs_overlap(q, cos, sin, positions, out_q)
@@ -321,62 +370,6 @@ def _preflight_qk(q, k, cos, sin, positions, out_q, out_k, check_overlap):
     return DONE if bad < 0 else bad
 
 
-@njit(cache=True)
-def _rope_rows_qk(
-    q, k, cos, sin, positions, out_q, out_k, interleaved, rotary_dim, sign, first, end
-):
-    """Rows ``first <= r < end`` of q followed by k (rows of k numbered after q's)."""
-    q_rows = q.shape[0] * q.shape[1] * q.shape[2]
-    if first < q_rows:
-        _rope_rows(
-            q, cos, sin, positions, out_q, interleaved, rotary_dim, sign, first, min(end, q_rows)
-        )
-    if end > q_rows:
-        _rope_rows(
-            k,
-            cos,
-            sin,
-            positions,
-            out_k,
-            interleaved,
-            rotary_dim,
-            sign,
-            max(first, q_rows) - q_rows,
-            end - q_rows,
-        )
-
-
-@njit(cache=True)
-def _rope_cpu_qk_serial(
-    q, k, cos, sin, positions, out_q, out_k, interleaved, rotary_dim, sign, check_overlap
-):
-    """q and k in one call (see :func:`_rope_cpu_serial` for the return codes)."""
-    status = _preflight_qk(q, k, cos, sin, positions, out_q, out_k, check_overlap)
-    if status != DONE:
-        return status
-    n_rows = q.shape[0] * q.shape[1] * q.shape[2] + k.shape[0] * k.shape[1] * k.shape[2]
-    _rope_rows_qk(q, k, cos, sin, positions, out_q, out_k, interleaved, rotary_dim, sign, 0, n_rows)
-    return DONE
-
-
-@njit(parallel=True, cache=True)
-def _rope_cpu_qk_parallel(
-    q, k, cos, sin, positions, out_q, out_k, interleaved, rotary_dim, sign, check_overlap, n_chunks
-):
-    """q and k in one parallel region, their rows split into ``n_chunks`` chunks."""
-    status = _preflight_qk(q, k, cos, sin, positions, out_q, out_k, check_overlap)
-    if status != DONE:
-        return status
-    n_rows = q.shape[0] * q.shape[1] * q.shape[2] + k.shape[0] * k.shape[1] * k.shape[2]
-    for chunk in prange(n_chunks):
-        first = chunk * n_rows // n_chunks
-        end = (chunk + 1) * n_rows // n_chunks
-        _rope_rows_qk(
-            q, k, cos, sin, positions, out_q, out_k, interleaved, rotary_dim, sign, first, end
-        )
-    return DONE
-
-
 def first_bad_position(position_ids: np.ndarray, n_positions: int) -> int:
     """Range check of position ids of any integer dtype (see :func:`_first_bad_position`)."""
     return int(_first_bad_position(position_ids, n_positions))
@@ -389,15 +382,50 @@ _parallel_lock = threading.Lock()
 _threading_layer_is_safe = False
 
 
-def _run_parallel(kernel, args: tuple, n_rows: int, n_threads: int) -> int:
+#: Kernels by (interleaved, inverse), made on first use.
+_kernel_sets: dict[tuple[bool, bool], tuple] = {}
+
+
+def kernels(interleaved: bool, inverse: bool) -> tuple:
+    """``(serial, parallel, qk_serial, qk_parallel)`` for these options."""
+    key = (interleaved, inverse)
+    found = _kernel_sets.get(key)
+    if found is None:
+        found = _kernel_sets[key] = _make_kernels(interleaved, inverse)
+    return found
+
+
+def work_split(batch: int, num_heads: int, seq_len: int, parallel: bool) -> tuple[int, int, int]:
+    """``(tile, n_groups, n_chunks)`` for an input of this logical shape.
+
+    Tiles of ``config.TOKENS_PER_TILE`` tokens; on one thread one group of all heads.
+    In parallel, ``n_chunks`` = threads x ``config.CHUNKS_PER_THREAD`` chunks of units,
+    and heads are split into groups only when there are fewer (batch, tile) units than
+    chunks (e.g. one long decode step with many heads).
+    """
+    tile = max(1, config.TOKENS_PER_TILE)
+    if not parallel:
+        return tile, 1, 1
+    n_chunks = max(1, numba.get_num_threads() * config.CHUNKS_PER_THREAD)
+    units = batch * -(-seq_len // tile)
+    n_groups = 1
+    if units < n_chunks:
+        n_groups = max(1, min(num_heads, -(-n_chunks // max(units, 1))))
+    return tile, n_groups, max(1, min(n_chunks, units * n_groups))
+
+
+def _run_parallel(kernel, args: tuple) -> int:
     global _threading_layer_is_safe
-    n_chunks = max(1, min(n_rows, n_threads * config.CHUNKS_PER_THREAD))
     if _threading_layer_is_safe:
-        return kernel(*args, n_chunks)
+        return kernel(*args)
     with _parallel_lock:
-        status = kernel(*args, n_chunks)
+        status = kernel(*args)
         _threading_layer_is_safe = numba.threading_layer() in ("omp", "tbb")
     return status
+
+
+def _parallel(size: int) -> bool:
+    return size >= config.PARALLEL_MIN_ELEMENTS and numba.get_num_threads() > 1
 
 
 def _launch_cpu(
@@ -408,23 +436,25 @@ def _launch_cpu(
     out,
     interleaved: bool,
     rotary_dim: int,
-    sign: float,
+    inverse: bool,
     check_overlap: bool = True,
 ) -> int:
     """Run the CPU kernel on validated NumPy arrays (16-bit formats as integer views,
     BHSD views of any layout).
 
     ``positions`` is None, int32/int64 position ids ``[batch, seq_len]``, or int64
-    offsets ``[batch]``. Returns DONE, OVERLAP or the index of the first bad position
-    (see :func:`_rope_cpu_serial`).
+    offsets ``[batch]``. Returns DONE, OVERLAP (``check_overlap`` and an input overlaps
+    ``out``) or the index of the first bad position id (flat) or offset (batch entry);
+    nothing is written unless it returns DONE.
     """
-    args = (x, cos, sin, positions, out, interleaved, rotary_dim, sign, check_overlap)
-    if x.size >= config.PARALLEL_MIN_ELEMENTS:
-        n_threads = numba.get_num_threads()
-        if n_threads > 1:
-            n_rows = x.shape[0] * x.shape[1] * x.shape[2]
-            return _run_parallel(_rope_cpu_parallel, args, n_rows, n_threads)
-    return _rope_cpu_serial(*args)
+    serial, parallel, _, _ = kernels(interleaved, inverse)
+    batch, num_heads, seq_len, _ = x.shape
+    in_parallel = _parallel(x.size)
+    tile, n_groups, n_chunks = work_split(batch, num_heads, seq_len, in_parallel)
+    args = (x, cos, sin, positions, out, rotary_dim, check_overlap, tile, n_groups)
+    if in_parallel:
+        return _run_parallel(parallel, (*args, n_chunks))
+    return serial(*args)
 
 
 def _launch_cpu_qk(
@@ -437,14 +467,16 @@ def _launch_cpu_qk(
     out_k,
     interleaved: bool,
     rotary_dim: int,
-    sign: float,
+    inverse: bool,
     check_overlap: bool = True,
 ) -> int:
     """As :func:`_launch_cpu`, for q and k in one pass."""
-    args = (q, k, cos, sin, positions, out_q, out_k, interleaved, rotary_dim, sign, check_overlap)
-    if q.size + k.size >= config.PARALLEL_MIN_ELEMENTS:
-        n_threads = numba.get_num_threads()
-        if n_threads > 1:
-            n_rows = q.shape[0] * q.shape[2] * (q.shape[1] + k.shape[1])
-            return _run_parallel(_rope_cpu_qk_parallel, args, n_rows, n_threads)
-    return _rope_cpu_qk_serial(*args)
+    _, _, serial, parallel = kernels(interleaved, inverse)
+    batch, _, seq_len, _ = q.shape
+    in_parallel = _parallel(q.size + k.size)
+    heads = max(q.shape[1], k.shape[1])
+    tile, n_groups, n_chunks = work_split(batch, heads, seq_len, in_parallel)
+    args = (q, k, cos, sin, positions, out_q, out_k, rotary_dim, check_overlap, tile, n_groups)
+    if in_parallel:
+        return _run_parallel(parallel, (*args, n_chunks))
+    return serial(*args)

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from numba_rope import _cpu
+from numba_rope import _cpu, config
 from numba_rope._conversions import BFLOAT16_STORAGE, FLOAT16_STORAGE
 from numba_rope._validation import offset_error, position_error
 
@@ -226,6 +226,102 @@ class CpuBackend:
         return result_q, result_k
 
 
+#: Plans of NumPy calls already validated, by :func:`plan_key`; see :func:`cpu_plan`.
+CPU_PLANS: dict[tuple, Any] = {}
+
+#: Most plans kept; past it the table starts again (a program uses a few shapes).
+MAX_PLANS = 512
+
+
+def plan_key(x, cos, sin, position_ids, out, interleaved, rotary_dim, layout, num_heads, inverse):
+    """What a call's validation depends on (shapes, dtypes, options), or None if the
+    call is not one a plan can run: every array a NumPy array, the options of exact
+    types (``1`` and ``True`` hash alike but only ``True`` is valid), no offset."""
+    if (
+        type(cos) is not np.ndarray
+        or type(sin) is not np.ndarray
+        or not (position_ids is None or type(position_ids) is np.ndarray)
+        or not (out is None or type(out) is np.ndarray)
+        or not (interleaved is False or interleaved is True)
+        or not (inverse is False or inverse is True)
+        or type(rotary_dim) is not int
+        or type(layout) is not str
+        or not (num_heads is None or type(num_heads) is int)
+    ):
+        return None
+    return (
+        x.shape,
+        x.dtype,
+        cos.shape,
+        cos.dtype,
+        sin.shape,
+        sin.dtype,
+        None if position_ids is None else position_ids.shape,
+        None if position_ids is None else position_ids.dtype,
+        None if out is None else out.shape,
+        None if out is None else out.dtype,
+        interleaved,
+        rotary_dim,
+        layout,
+        num_heads,
+        inverse,
+    )
+
+
+def _storage_dtype(dtype: np.dtype) -> np.dtype | None:
+    """The integer dtype a 16-bit format travels as (see :func:`_storage`), else None."""
+    if dtype.itemsize != 2:
+        return None
+    return np.dtype(FLOAT16_STORAGE if dtype.kind == "f" else BFLOAT16_STORAGE)
+
+
+def cpu_plan(call, x, cos, position_ids) -> Any:
+    """A function that runs further calls of this validated signature on one thread
+    with the least Python work, or None where the general path is needed anyway.
+
+    The plan returns the result, or None when the general path must take over: an
+    input too large for one thread, a read-only ``out``, or a kernel status other than
+    DONE (an overlap of ``out`` with an input, a bad position id). Nothing has been
+    written then, so the general path runs the call again from the start.
+    """
+    interleaved, rotary_dim, inverse, shape, layout = call
+    if x.size == 0 or (position_ids is not None and position_ids.dtype not in _KERNEL_ID_DTYPES):
+        return None
+    serial = _cpu.kernels(interleaved, inverse)[0]
+    size = x.size
+    x_shape, x_dtype = x.shape, x.dtype
+    x_storage, cache_storage = _storage_dtype(x.dtype), _storage_dtype(cos.dtype)
+    to_bhsd = x.ndim == 3 or layout == "bshd"
+    done = _cpu.DONE
+
+    def plan(x, cos, sin, position_ids, out):
+        if size >= config.PARALLEL_MIN_ELEMENTS:
+            return None
+        if out is None:
+            out = np.empty(x_shape, x_dtype)
+        elif not out.flags.writeable:
+            return None
+        x_view, out_view = x, out
+        if to_bhsd:
+            x_view, out_view = bhsd(x, layout, shape), bhsd(out, layout, shape)
+        if x_storage is not None:
+            x_view, out_view = x_view.view(x_storage), out_view.view(x_storage)
+        if cache_storage is not None:
+            cos, sin = cos.view(cache_storage), sin.view(cache_storage)
+        status = serial(
+            x_view, cos, sin, position_ids, out_view, rotary_dim, True, config.TOKENS_PER_TILE, 1
+        )
+        return out if status == done else None
+
+    return plan
+
+
+def remember_plan(key: tuple, plan: Any) -> None:
+    if len(CPU_PLANS) >= MAX_PLANS:
+        CPU_PLANS.clear()
+    CPU_PLANS[key] = plan
+
+
 def _output(x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
     if out is None:
         return np.empty(x.shape, dtype=x.dtype)
@@ -289,15 +385,13 @@ def _raise_position_error(index, position_ids, position_offset, n_positions, sha
 def _launch(views, args, interleaved, rotary_dim, inverse, check_overlap=True) -> int:
     x, out = views
     cos, sin, positions = args
-    sign = -1.0 if inverse else 1.0
     return _cpu._launch_cpu(
-        x, cos, sin, positions, out, interleaved, rotary_dim, sign, check_overlap
+        x, cos, sin, positions, out, interleaved, rotary_dim, inverse, check_overlap
     )
 
 
 def _launch_qk(qs, ks, args, interleaved, rotary_dim, inverse, check_overlap=True) -> int:
     cos, sin, positions = args
-    sign = -1.0 if inverse else 1.0
     return _cpu._launch_cpu_qk(
         qs[0],
         ks[0],
@@ -308,7 +402,7 @@ def _launch_qk(qs, ks, args, interleaved, rotary_dim, inverse, check_overlap=Tru
         ks[1],
         interleaved,
         rotary_dim,
-        sign,
+        inverse,
         check_overlap,
     )
 

@@ -15,6 +15,10 @@ PARALLEL_MIN_ELEMENTS: int = 1 << 20
 #: evens out the load when a core is shared.
 CHUNKS_PER_THREAD: int = 4
 
+#: Tokens per tile of the CPU kernels: a tile's cos/sin rows are read once and reused
+#: by every head (see :func:`numba_rope._cpu._make_kernels`).
+TOKENS_PER_TILE: int = 16
+
 #: Threads per block of the CUDA kernels. Tests shrink it so that tiny inputs span
 #: several blocks in the CUDA simulator.
 CUDA_THREADS_PER_BLOCK: int = 256

@@ -120,6 +120,27 @@ def rotary_embedding(
     array([[ 1.,  1.,  1.,  1.],
            [-1.,  1.,  1.,  1.]], dtype=float32)
     """
+    key = None
+    if type(input) is np.ndarray and position_offset is None:
+        # A NumPy call whose signature was validated before runs its plan directly.
+        key = _dispatch.plan_key(
+            input,
+            cos_cache,
+            sin_cache,
+            position_ids,
+            out,
+            interleaved,
+            rotary_embedding_dim,
+            layout,
+            num_heads,
+            inverse,
+        )
+        if key is not None:
+            plan = _dispatch.CPU_PLANS.get(key)
+            if plan is not None:
+                result = plan(input, cos_cache, sin_cache, position_ids, out)
+                if result is not None:
+                    return result
     offset_array = None if _dispatch.is_scalar(position_offset) else position_offset
     arrays = (input, cos_cache, sin_cache, position_ids, out, offset_array)
     backend = _dispatch.backend_for(arrays, _dispatch.ARGUMENT_NAMES, stream)
@@ -138,9 +159,12 @@ def rotary_embedding(
         inverse,
     )
     call = (interleaved, rotary_dim, inverse, shape, layout)
-    return backend.run(
+    result = backend.run(
         input, cos_cache, sin_cache, position_ids, position_offset, out, call, check_position_ids
     )
+    if key is not None and backend is _dispatch.CpuBackend and key not in _dispatch.CPU_PLANS:
+        _dispatch.remember_plan(key, _dispatch.cpu_plan(call, input, cos_cache, position_ids))
+    return result
 
 
 def _check(
