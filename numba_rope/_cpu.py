@@ -17,8 +17,10 @@ import threading
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import carray, njit, prange, types
+from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
+from numba.np.arrayobj import populate_array
 
 from numba_rope import config
 from numba_rope._conversions import narrow_like, widen
@@ -56,22 +58,32 @@ def _cache_row_offset_overload(cache, positions, b, s):
 
 
 @intrinsic
-def _element_pointer(typingctx, array, byte_offset):
-    """Pointer to the byte ``byte_offset`` past the start of ``array``'s data."""
+def _row(typingctx, array, byte_offset, length):
+    """A C-contiguous 1-D array over ``length`` elements of ``array`` starting at
+    ``byte_offset``: no copy and, unlike a slice, no reference count to update. An
+    intrinsic (emitted directly, nothing to inline) to keep compile times short."""
+    if not isinstance(array, types.Array):
+        return None
+    row_type = types.Array(array.dtype, 1, "C")
 
     def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        address = builder.add(builder.ptrtoint(data, ir.IntType(64)), args[1])
-        return builder.inttoptr(address, data.type)
+        source = context.make_array(signature.args[0])(context, builder, args[0])
+        offset = context.cast(builder, args[1], signature.args[1], types.intp)
+        address = builder.add(builder.ptrtoint(source.data, ir.IntType(64)), offset)
+        row = context.make_array(row_type)(context, builder)
+        populate_array(
+            row,
+            data=builder.inttoptr(address, source.data.type),
+            shape=cgutils.pack_array(
+                builder, [context.cast(builder, args[2], signature.args[2], types.intp)]
+            ),
+            strides=cgutils.pack_array(builder, [source.itemsize]),
+            itemsize=source.itemsize,
+            meminfo=None,
+        )
+        return row._getvalue()
 
-    return types.CPointer(array.dtype)(array, byte_offset), codegen
-
-
-@njit(cache=True, inline="always")
-def _row(array, byte_offset, length):
-    """A C-contiguous 1-D array over ``length`` elements of ``array`` starting at
-    ``byte_offset``: no copy and, unlike a slice, no reference count to update."""
-    return carray(_element_pointer(array, byte_offset), (length,))
+    return row_type(array, byte_offset, length), codegen
 
 
 @njit(cache=True, inline="always")
@@ -106,38 +118,95 @@ def _rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign)
         out_row[i] = x_row[i]
 
 
-def _rows_contiguous(x, cos, sin, out):  # pragma: no cover - see overload
-    """Whether every row of the four arrays is contiguous (unit last-axis stride)."""
-    raise NotImplementedError
-
-
-@overload(_rows_contiguous, inline="always")
-def _rows_contiguous_overload(x, cos, sin, out):
-    # C-contiguous array types answer at compile time, so the general (slice) path is
-    # not compiled at all for them; other layouts are asked at run time.
-    if all(a.layout == "C" for a in (x, cos, sin, out)):
-        return lambda x, cos, sin, out: True
-
-    def impl(x, cos, sin, out):
-        return (
-            x.strides[3] == x.itemsize
-            and out.strides[3] == out.itemsize
-            and cos.strides[cos.ndim - 1] == cos.itemsize
-            and sin.strides[sin.ndim - 1] == sin.itemsize
-        )
-
-    return impl
+def rows_contiguous(*arrays) -> bool:
+    """Whether every row of these arrays is contiguous (unit stride along the last axis):
+    the kernels then take rows as C-contiguous arrays over raw pointers."""
+    for array in arrays:
+        if array.strides[-1] != array.itemsize:
+            return False
+    return True
 
 
 @njit(cache=True)
-def _n_units(x, tile, n_groups):
-    """Number of work units of ``x``: (batch, tile of ``tile`` tokens, head group)."""
-    return x.shape[0] * ((x.shape[2] + tile - 1) // tile) * n_groups
+def _n_units(batch, seq_len, tile, n_groups):
+    """Number of work units: (batch entry, tile of ``tile`` tokens, head group)."""
+    return batch * ((seq_len + tile - 1) // tile) * n_groups
 
 
-def _make_kernels(interleaved: bool, inverse: bool):
-    """The CPU kernels for one (interleaved, inverse) pair, both compiled in as
-    constants: each call compiles only the rotation loop it runs.
+@njit(cache=True)
+def _unit_bounds(unit, seq_len, num_heads, tile, n_groups):
+    """``(b, first token, end token, first head, end head)`` of a work unit."""
+    n_tiles = (seq_len + tile - 1) // tile
+    group = unit % n_groups
+    b = unit // (n_tiles * n_groups)
+    s0 = (unit // n_groups - b * n_tiles) * tile
+    return (
+        b,
+        s0,
+        min(s0 + tile, seq_len),
+        group * num_heads // n_groups,
+        (group + 1) * num_heads // n_groups,
+    )
+
+
+@njit(cache=True, inline="always")
+def _contiguous_units(
+    x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups, interleaved, sign
+):
+    """Rotate units ``first <= u < end`` (see :func:`_make_kernels`) whose rows are all
+    contiguous: as C-contiguous arrays over raw pointers, which LLVM vectorizes fully
+    (F16C conversions for float16). Inlined into each kernel, where ``interleaved`` and
+    ``sign`` are constants."""
+    head_size = x.shape[3]
+    half = rotary_dim // 2
+    for unit in range(first, end):
+        b, s0, s1, h0, h1 = _unit_bounds(unit, x.shape[2], x.shape[1], tile, n_groups)
+        for h in range(h0, h1):
+            for s in range(s0, s1):
+                x_offset = b * x.strides[0] + h * x.strides[1] + s * x.strides[2]
+                out_offset = b * out.strides[0] + h * out.strides[1] + s * out.strides[2]
+                _rotate_row(
+                    _row(x, x_offset, head_size),
+                    _row(cos, _cache_row_offset(cos, positions, b, s), half),
+                    _row(sin, _cache_row_offset(sin, positions, b, s), half),
+                    _row(out, out_offset, head_size),
+                    interleaved,
+                    rotary_dim,
+                    sign,
+                )
+
+
+@njit(cache=True, inline="always")
+def _strided_units(
+    x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups, interleaved, sign
+):
+    """:func:`_contiguous_units` for any strides: rows are slices (slower: each slice
+    updates a shared reference count)."""
+    for unit in range(first, end):
+        b, s0, s1, h0, h1 = _unit_bounds(unit, x.shape[2], x.shape[1], tile, n_groups)
+        for h in range(h0, h1):
+            for s in range(s0, s1):
+                row_index = _cache_row_index(cos, positions, b, s)
+                _rotate_row(
+                    x[b, h, s],
+                    cos[row_index],
+                    sin[row_index],
+                    out[b, h, s],
+                    interleaved,
+                    rotary_dim,
+                    sign,
+                )
+
+
+def _make_kernels(interleaved: bool, inverse: bool, contiguous: bool):
+    """The CPU kernels for one choice of options, compiled in as constants: each call
+    compiles only the code it runs.
+
+    ``contiguous``: every row of the input, the output and the caches is contiguous
+    (:func:`rows_contiguous`; contiguous arrays, but also views such as ``qkv[...,
+    :128]`` or transposed layouts). Rows are then C-contiguous arrays over raw
+    pointers, which LLVM vectorizes fully (F16C conversions for float16); otherwise
+    they are slices (slower: each slice updates a shared reference count).
 
     Work is split into *units*: one batch entry, a tile of ``tile`` consecutive tokens
     and a group of heads. A unit rotates its heads token tile by token tile, so the
@@ -149,52 +218,45 @@ def _make_kernels(interleaved: bool, inverse: bool):
     """
     sign = np.float32(-1.0 if inverse else 1.0)  # exact in every compute type
 
-    @njit(cache=True)
-    def rope_units(x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups):
-        num_heads = x.shape[1]
-        seq_len = x.shape[2]
-        head_size = x.shape[3]
-        half = rotary_dim // 2
-        n_tiles = (seq_len + tile - 1) // tile
-        contiguous = _rows_contiguous(x, cos, sin, out)
-        for unit in range(first, end):
-            group = unit % n_groups
-            b = unit // (n_tiles * n_groups)
-            s0 = (unit // n_groups - b * n_tiles) * tile
-            s1 = min(s0 + tile, seq_len)
-            for h in range(group * num_heads // n_groups, (group + 1) * num_heads // n_groups):
-                for s in range(s0, s1):
-                    if contiguous:
-                        x_offset = b * x.strides[0] + h * x.strides[1] + s * x.strides[2]
-                        out_offset = b * out.strides[0] + h * out.strides[1] + s * out.strides[2]
-                        _rotate_row(
-                            _row(x, x_offset, head_size),
-                            _row(cos, _cache_row_offset(cos, positions, b, s), half),
-                            _row(sin, _cache_row_offset(sin, positions, b, s), half),
-                            _row(out, out_offset, head_size),
-                            interleaved,
-                            rotary_dim,
-                            sign,
-                        )
-                    else:
-                        row_index = _cache_row_index(cos, positions, b, s)
-                        _rotate_row(
-                            x[b, h, s],
-                            cos[row_index],
-                            sin[row_index],
-                            out[b, h, s],
-                            interleaved,
-                            rotary_dim,
-                            sign,
-                        )
+    # Each kernel picks its row path by the constant ``contiguous``: numba drops the
+    # other branch before inlining it, so it costs no compile time.
 
     @njit(cache=True)
     def serial(x, cos, sin, positions, out, rotary_dim, check_overlap, tile, n_groups):
         status = _preflight(x, cos, sin, positions, out, check_overlap)
         if status != DONE:
             return status
-        n_units = _n_units(x, tile, n_groups)
-        rope_units(x, cos, sin, positions, out, rotary_dim, 0, n_units, tile, n_groups)
+        n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
+        if contiguous:
+            _contiguous_units(
+                x,
+                cos,
+                sin,
+                positions,
+                out,
+                rotary_dim,
+                0,
+                n_units,
+                tile,
+                n_groups,
+                interleaved,
+                sign,
+            )
+        else:
+            _strided_units(
+                x,
+                cos,
+                sin,
+                positions,
+                out,
+                rotary_dim,
+                0,
+                n_units,
+                tile,
+                n_groups,
+                interleaved,
+                sign,
+            )
         return DONE
 
     @njit(parallel=True, cache=True)
@@ -202,19 +264,41 @@ def _make_kernels(interleaved: bool, inverse: bool):
         status = _preflight(x, cos, sin, positions, out, check_overlap)
         if status != DONE:
             return status
-        n_units = _n_units(x, tile, n_groups)
+        n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
         for chunk in prange(n_chunks):
             first = chunk * n_units // n_chunks
             end = (chunk + 1) * n_units // n_chunks
-            rope_units(x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups)
+            if contiguous:
+                _contiguous_units(
+                    x,
+                    cos,
+                    sin,
+                    positions,
+                    out,
+                    rotary_dim,
+                    first,
+                    end,
+                    tile,
+                    n_groups,
+                    interleaved,
+                    sign,
+                )
+            else:
+                _strided_units(
+                    x,
+                    cos,
+                    sin,
+                    positions,
+                    out,
+                    rotary_dim,
+                    first,
+                    end,
+                    tile,
+                    n_groups,
+                    interleaved,
+                    sign,
+                )
         return DONE
-
-    @njit(cache=True)
-    def qk_units(q, k, cos, sin, positions, out_q, out_k, rotary_dim, first, end, tile, n_groups):
-        # Unit by unit, q's heads then k's: both use the tile's cos/sin rows from L1.
-        for unit in range(first, end):
-            rope_units(q, cos, sin, positions, out_q, rotary_dim, unit, unit + 1, tile, n_groups)
-            rope_units(k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups)
 
     @njit(cache=True)
     def qk_serial(
@@ -223,8 +307,66 @@ def _make_kernels(interleaved: bool, inverse: bool):
         status = _preflight_qk(q, k, cos, sin, positions, out_q, out_k, check_overlap)
         if status != DONE:
             return status
-        n_units = _n_units(q, tile, n_groups)
-        qk_units(q, k, cos, sin, positions, out_q, out_k, rotary_dim, 0, n_units, tile, n_groups)
+        # Unit by unit, q's heads then k's: both use the tile's cos/sin rows from L1.
+        for unit in range(_n_units(q.shape[0], q.shape[2], tile, n_groups)):
+            if contiguous:
+                _contiguous_units(
+                    q,
+                    cos,
+                    sin,
+                    positions,
+                    out_q,
+                    rotary_dim,
+                    unit,
+                    unit + 1,
+                    tile,
+                    n_groups,
+                    interleaved,
+                    sign,
+                )
+                _contiguous_units(
+                    k,
+                    cos,
+                    sin,
+                    positions,
+                    out_k,
+                    rotary_dim,
+                    unit,
+                    unit + 1,
+                    tile,
+                    n_groups,
+                    interleaved,
+                    sign,
+                )
+            else:
+                _strided_units(
+                    q,
+                    cos,
+                    sin,
+                    positions,
+                    out_q,
+                    rotary_dim,
+                    unit,
+                    unit + 1,
+                    tile,
+                    n_groups,
+                    interleaved,
+                    sign,
+                )
+                _strided_units(
+                    k,
+                    cos,
+                    sin,
+                    positions,
+                    out_k,
+                    rotary_dim,
+                    unit,
+                    unit + 1,
+                    tile,
+                    n_groups,
+                    interleaved,
+                    sign,
+                )
         return DONE
 
     @njit(parallel=True, cache=True)
@@ -234,13 +376,67 @@ def _make_kernels(interleaved: bool, inverse: bool):
         status = _preflight_qk(q, k, cos, sin, positions, out_q, out_k, check_overlap)
         if status != DONE:
             return status
-        n_units = _n_units(q, tile, n_groups)
+        n_units = _n_units(q.shape[0], q.shape[2], tile, n_groups)
         for chunk in prange(n_chunks):
-            first = chunk * n_units // n_chunks
-            end = (chunk + 1) * n_units // n_chunks
-            qk_units(
-                q, k, cos, sin, positions, out_q, out_k, rotary_dim, first, end, tile, n_groups
-            )
+            for unit in range(chunk * n_units // n_chunks, (chunk + 1) * n_units // n_chunks):
+                if contiguous:
+                    _contiguous_units(
+                        q,
+                        cos,
+                        sin,
+                        positions,
+                        out_q,
+                        rotary_dim,
+                        unit,
+                        unit + 1,
+                        tile,
+                        n_groups,
+                        interleaved,
+                        sign,
+                    )
+                    _contiguous_units(
+                        k,
+                        cos,
+                        sin,
+                        positions,
+                        out_k,
+                        rotary_dim,
+                        unit,
+                        unit + 1,
+                        tile,
+                        n_groups,
+                        interleaved,
+                        sign,
+                    )
+                else:
+                    _strided_units(
+                        q,
+                        cos,
+                        sin,
+                        positions,
+                        out_q,
+                        rotary_dim,
+                        unit,
+                        unit + 1,
+                        tile,
+                        n_groups,
+                        interleaved,
+                        sign,
+                    )
+                    _strided_units(
+                        k,
+                        cos,
+                        sin,
+                        positions,
+                        out_k,
+                        rotary_dim,
+                        unit,
+                        unit + 1,
+                        tile,
+                        n_groups,
+                        interleaved,
+                        sign,
+                    )
         return DONE
 
     return serial, parallel, qk_serial, qk_parallel
@@ -292,80 +488,93 @@ OVERLAP = -2
 
 
 @njit(cache=True)
-def _byte_range(a):
-    """``[first, end)`` bytes that array ``a`` spans (empty for an empty array)."""
-    first = np.int64(a.ctypes.data)
-    end = first
-    for axis in range(a.ndim):
-        if a.shape[axis] == 0:
-            return np.int64(0), np.int64(0)
-        span = np.int64(a.shape[axis] - 1) * np.int64(a.strides[axis])
+def _span(data, shape, strides, itemsize):
+    """``[first, end)`` bytes spanned by the array at address ``data`` with this shape,
+    these strides and item size (empty for an empty array). Integer arguments only:
+    compiled once per number of dimensions, whatever the dtypes of a call."""
+    first = data
+    end = data
+    for axis in range(len(shape)):
+        if shape[axis] == 0:
+            return 0, 0
+        span = (shape[axis] - 1) * strides[axis]
         if span < 0:
             first += span
         else:
             end += span
-    return first, end + np.int64(a.itemsize)
+    return first, end + itemsize
 
 
-@njit(cache=True)
-def _overlaps(a, out):
-    """Whether the byte ranges of ``a`` and ``out`` intersect (a cheap, conservative
-    test: interleaved views of one buffer, such as q and k of a fused qkv, do too)."""
-    a_first, a_end = _byte_range(a)
-    out_first, out_end = _byte_range(out)
-    return a_first < out_end and out_first < a_end
-
-
-def _positions_overlap(positions, out):  # pragma: no cover - see overload
+def _positions_span(positions):  # pragma: no cover - see overload
+    """:func:`_span` of the position ids or offsets, or an empty range for None."""
     raise NotImplementedError
 
 
-@overload(_positions_overlap, inline="always")
-def _positions_overlap_overload(positions, out):
+@overload(_positions_span, inline="always")
+def _positions_span_overload(positions):
     if isinstance(positions, types.NoneType):
-        return lambda positions, out: False
-    return lambda positions, out: _overlaps(positions, out)
-
-
-@njit(cache=True)
-def _inputs_overlap(x, cos, sin, positions, out):
-    """An input shares memory with ``out`` other than as the very same elements
-    (rotating in place is safe)."""
-    same_elements = x.ctypes.data == out.ctypes.data and x.strides == out.strides
-    return (
-        (_overlaps(x, out) and not same_elements)
-        or _overlaps(cos, out)
-        or _overlaps(sin, out)
-        or _positions_overlap(positions, out)
+        return lambda positions: (0, 0)
+    return lambda positions: _span(
+        positions.ctypes.data, positions.shape, positions.strides, positions.itemsize
     )
 
 
 @njit(cache=True)
+def _meet(a, b):
+    """Whether byte ranges ``a`` and ``b`` intersect (a cheap, conservative test:
+    interleaved views of one buffer, such as q and k of a fused qkv, do too)."""
+    return a[0] < b[1] and b[0] < a[1]
+
+
+@njit(cache=True, inline="always")
 def _preflight(x, cos, sin, positions, out, check_overlap):
-    """What must stop a launch before anything is written: OVERLAP, or the index of
-    the first bad position; else DONE."""
-    if check_overlap and _inputs_overlap(x, cos, sin, positions, out):
-        return OVERLAP
+    """What must stop a launch before anything is written: OVERLAP (``check_overlap``
+    and an input shares memory with ``out`` other than as the very same elements,
+    which is rotating in place), or the index of the first bad position; else DONE."""
+    # The spans are written out here, not in a helper taking arrays, so that a new
+    # dtype compiles no helper: _span takes integers only.
+    if check_overlap:
+        out_span = _span(out.ctypes.data, out.shape, out.strides, out.itemsize)
+        in_place = x.ctypes.data == out.ctypes.data and x.strides == out.strides
+        if (
+            (_meet(_span(x.ctypes.data, x.shape, x.strides, x.itemsize), out_span) and not in_place)
+            or _meet(_span(cos.ctypes.data, cos.shape, cos.strides, cos.itemsize), out_span)
+            or _meet(_span(sin.ctypes.data, sin.shape, sin.strides, sin.itemsize), out_span)
+            or _meet(_positions_span(positions), out_span)
+        ):
+            return OVERLAP
     bad = _check_positions(positions, cos.shape[0], x.shape[2])
     return DONE if bad < 0 else bad
 
 
 @njit(cache=True)
-def _qk_overlap(q, k, cos, sin, positions, out_q, out_k):
-    return (
-        _inputs_overlap(q, cos, sin, positions, out_q)
-        or _inputs_overlap(k, cos, sin, positions, out_k)
-        or _overlaps(k, out_q)
-        or _overlaps(q, out_k)
-        or _overlaps(out_q, out_k)
-    )
-
-
-@njit(cache=True)
 def _preflight_qk(q, k, cos, sin, positions, out_q, out_k, check_overlap):
     """:func:`_preflight` for q and k together (cross overlaps included)."""
-    if check_overlap and _qk_overlap(q, k, cos, sin, positions, out_q, out_k):
-        return OVERLAP
+    if check_overlap:
+        q_span = _span(q.ctypes.data, q.shape, q.strides, q.itemsize)
+        k_span = _span(k.ctypes.data, k.shape, k.strides, k.itemsize)
+        out_q_span = _span(out_q.ctypes.data, out_q.shape, out_q.strides, out_q.itemsize)
+        out_k_span = _span(out_k.ctypes.data, out_k.shape, out_k.strides, out_k.itemsize)
+        cos_span = _span(cos.ctypes.data, cos.shape, cos.strides, cos.itemsize)
+        sin_span = _span(sin.ctypes.data, sin.shape, sin.strides, sin.itemsize)
+        positions_span = _positions_span(positions)
+        for out_span in (out_q_span, out_k_span):
+            if (
+                _meet(cos_span, out_span)
+                or _meet(sin_span, out_span)
+                or _meet(positions_span, out_span)
+            ):
+                return OVERLAP
+        q_in_place = q.ctypes.data == out_q.ctypes.data and q.strides == out_q.strides
+        k_in_place = k.ctypes.data == out_k.ctypes.data and k.strides == out_k.strides
+        if (
+            (_meet(q_span, out_q_span) and not q_in_place)
+            or (_meet(k_span, out_k_span) and not k_in_place)
+            or _meet(k_span, out_q_span)
+            or _meet(q_span, out_k_span)
+            or _meet(out_q_span, out_k_span)
+        ):
+            return OVERLAP
     bad = _check_positions(positions, cos.shape[0], q.shape[2])
     return DONE if bad < 0 else bad
 
@@ -382,16 +591,16 @@ _parallel_lock = threading.Lock()
 _threading_layer_is_safe = False
 
 
-#: Kernels by (interleaved, inverse), made on first use.
-_kernel_sets: dict[tuple[bool, bool], tuple] = {}
+#: Kernels by (interleaved, inverse, contiguous), made on first use.
+_kernel_sets: dict[tuple[bool, bool, bool], tuple] = {}
 
 
-def kernels(interleaved: bool, inverse: bool) -> tuple:
+def kernels(interleaved: bool, inverse: bool, contiguous: bool) -> tuple:
     """``(serial, parallel, qk_serial, qk_parallel)`` for these options."""
-    key = (interleaved, inverse)
+    key = (interleaved, inverse, contiguous)
     found = _kernel_sets.get(key)
     if found is None:
-        found = _kernel_sets[key] = _make_kernels(interleaved, inverse)
+        found = _kernel_sets[key] = _make_kernels(interleaved, inverse, contiguous)
     return found
 
 
@@ -447,7 +656,7 @@ def _launch_cpu(
     ``out``) or the index of the first bad position id (flat) or offset (batch entry);
     nothing is written unless it returns DONE.
     """
-    serial, parallel, _, _ = kernels(interleaved, inverse)
+    serial, parallel, _, _ = kernels(interleaved, inverse, rows_contiguous(x, out, cos, sin))
     batch, num_heads, seq_len, _ = x.shape
     in_parallel = _parallel(x.size)
     tile, n_groups, n_chunks = work_split(batch, num_heads, seq_len, in_parallel)
@@ -471,7 +680,9 @@ def _launch_cpu_qk(
     check_overlap: bool = True,
 ) -> int:
     """As :func:`_launch_cpu`, for q and k in one pass."""
-    _, _, serial, parallel = kernels(interleaved, inverse)
+    _, _, serial, parallel = kernels(
+        interleaved, inverse, rows_contiguous(q, k, out_q, out_k, cos, sin)
+    )
     batch, _, seq_len, _ = q.shape
     in_parallel = _parallel(q.size + k.size)
     heads = max(q.shape[1], k.shape[1])

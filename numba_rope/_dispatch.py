@@ -287,8 +287,9 @@ def cpu_plan(call, x, cos, position_ids) -> Any:
     interleaved, rotary_dim, inverse, shape, layout = call
     if x.size == 0 or (position_ids is not None and position_ids.dtype not in _KERNEL_ID_DTYPES):
         return None
-    serial = _cpu.kernels(interleaved, inverse)[0]
+    contiguous_serial = _cpu.kernels(interleaved, inverse, True)[0]
     size = x.size
+    x_item, cache_item = x.dtype.itemsize, cos.dtype.itemsize
     x_shape, x_dtype = x.shape, x.dtype
     x_storage, cache_storage = _storage_dtype(x.dtype), _storage_dtype(cos.dtype)
     to_bhsd = x.ndim == 3 or layout == "bshd"
@@ -308,10 +309,101 @@ def cpu_plan(call, x, cos, position_ids) -> Any:
             x_view, out_view = x_view.view(x_storage), out_view.view(x_storage)
         if cache_storage is not None:
             cos, sin = cos.view(cache_storage), sin.view(cache_storage)
+        if (
+            x.strides[-1] == x_item
+            and out.strides[-1] == x_item
+            and cos.strides[-1] == cache_item
+            and sin.strides[-1] == cache_item
+        ):
+            serial = contiguous_serial
+        else:
+            serial = _cpu.kernels(interleaved, inverse, False)[0]
         status = serial(
             x_view, cos, sin, position_ids, out_view, rotary_dim, True, config.TOKENS_PER_TILE, 1
         )
         return out if status == done else None
+
+    return plan
+
+
+def plan_key_qk(q, k, cos, sin, position_ids, out_q, out_k, options: tuple) -> tuple | None:
+    """:func:`plan_key` for ``rotary_embedding_qk``; ``options`` are ``(interleaved,
+    rotary_dim, layout, num_heads, num_kv_heads, inverse)``."""
+    interleaved, rotary_dim, layout, num_heads, num_kv_heads, inverse = options
+    key = plan_key(
+        q, cos, sin, position_ids, out_q, interleaved, rotary_dim, layout, num_heads, inverse
+    )
+    if (
+        key is None
+        or type(k) is not np.ndarray
+        or not (out_k is None or type(out_k) is np.ndarray)
+        or not (num_kv_heads is None or type(num_kv_heads) is int)
+    ):
+        return None
+    return (
+        *key,
+        k.shape,
+        k.dtype,
+        None if out_k is None else (out_k.shape, out_k.dtype),
+        num_kv_heads,
+    )
+
+
+def cpu_plan_qk(call, q_shape, k_shape, q, k, cos, position_ids) -> Any:
+    """:func:`cpu_plan` for ``rotary_embedding_qk`` (``q_shape``/``k_shape`` logical)."""
+    interleaved, rotary_dim, inverse, _, layout = call
+    if q.size + k.size == 0 or (
+        position_ids is not None and position_ids.dtype not in _KERNEL_ID_DTYPES
+    ):
+        return None
+    size = q.size + k.size
+    item, cache_item = q.dtype.itemsize, cos.dtype.itemsize
+    dtype, q_raw, k_raw = q.dtype, q.shape, k.shape
+    storage, cache_storage = _storage_dtype(q.dtype), _storage_dtype(cos.dtype)
+    to_bhsd = q.ndim == 3 or layout == "bshd"
+    done = _cpu.DONE
+
+    def plan(q, k, cos, sin, position_ids, out_q, out_k):
+        if size >= config.PARALLEL_MIN_ELEMENTS:
+            return None
+        if out_q is None:
+            out_q = np.empty(q_raw, dtype)
+        elif not out_q.flags.writeable:
+            return None
+        if out_k is None:
+            out_k = np.empty(k_raw, dtype)
+        elif not out_k.flags.writeable:
+            return None
+        views = [q, out_q, k, out_k]
+        if to_bhsd:
+            views = [bhsd(v, layout, q_shape if i < 2 else k_shape) for i, v in enumerate(views)]
+        if storage is not None:
+            views = [v.view(storage) for v in views]
+        if cache_storage is not None:
+            cos, sin = cos.view(cache_storage), sin.view(cache_storage)
+        contiguous = (
+            q.strides[-1] == item
+            and k.strides[-1] == item
+            and out_q.strides[-1] == item
+            and out_k.strides[-1] == item
+            and cos.strides[-1] == cache_item
+            and sin.strides[-1] == cache_item
+        )
+        serial = _cpu.kernels(interleaved, inverse, contiguous)[2]
+        status = serial(
+            views[0],
+            views[2],
+            cos,
+            sin,
+            position_ids,
+            views[1],
+            views[3],
+            rotary_dim,
+            True,
+            config.TOKENS_PER_TILE,
+            1,
+        )
+        return (out_q, out_k) if status == done else None
 
     return plan
 

@@ -260,6 +260,16 @@ position_offset, inverse, stream, check_position_ids
     >>> bool(np.array_equal(qkv[..., :8], expected_q))
     True
     """
+    key = None
+    if type(q) is np.ndarray and position_offset is None:
+        options = (interleaved, rotary_embedding_dim, layout, num_heads, num_kv_heads, inverse)
+        key = _dispatch.plan_key_qk(q, k, cos_cache, sin_cache, position_ids, out_q, out_k, options)
+        if key is not None:
+            plan = _dispatch.CPU_PLANS.get(key)
+            if plan is not None:
+                results = plan(q, k, cos_cache, sin_cache, position_ids, out_q, out_k)
+                if results is not None:
+                    return results
     offset_array = None if _dispatch.is_scalar(position_offset) else position_offset
     arrays = (q, k, cos_cache, sin_cache, position_ids, out_q, out_k, offset_array)
     backend = _dispatch.backend_for(arrays, _dispatch.QK_ARGUMENT_NAMES, stream)
@@ -294,7 +304,7 @@ position_offset, inverse, stream, check_position_ids
     )
     check_qk(q_call[3], backend.describe(q)[1], k_call[3], backend.describe(k)[1])
     call = (*q_call[:4], layout)
-    return backend.run_qk(
+    results = backend.run_qk(
         q,
         k,
         cos_cache,
@@ -308,3 +318,7 @@ position_offset, inverse, stream, check_position_ids
         k_call[3],
         check_position_ids,
     )
+    if key is not None and backend is _dispatch.CpuBackend and key not in _dispatch.CPU_PLANS:
+        plan = _dispatch.cpu_plan_qk(call, q_call[3], k_call[3], q, k, cos_cache, position_ids)
+        _dispatch.remember_plan(key, plan)
+    return results

@@ -1,0 +1,140 @@
+"""The remembered plans of NumPy calls (numba_rope._dispatch.CPU_PLANS).
+
+A call whose signature (shapes, dtypes, options) was validated before runs a plan with
+the least Python work. The plan must give the same bits as the general path, and must
+never let through what the general path rejects: options of another type, bad position
+ids, a read-only or overlapping ``out``, other strides.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from oracles import BFLOAT16, assert_bitwise_equal, float32_contract, make_case
+
+import numba_rope
+from numba_rope import _dispatch
+
+DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BFLOAT16]
+
+
+@pytest.fixture(autouse=True)
+def no_plans():
+    _dispatch.CPU_PLANS.clear()
+    yield
+    _dispatch.CPU_PLANS.clear()
+
+
+def _planned(x, cos, sin, ids, out, interleaved=False, rotary_dim=0, layout="bhsd"):
+    key = _dispatch.plan_key(x, cos, sin, ids, out, interleaved, rotary_dim, layout, None, False)
+    return _dispatch.CPU_PLANS.get(key) is not None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=[d.name for d in DTYPES])
+@pytest.mark.parametrize("with_ids", [True, False])
+def test_plan_gives_the_contract_bits(rng, dtype, with_ids):
+    x, cos, sin, ids = make_case(rng, (2, 3, 5, 8), dtype, position_ids=with_ids)
+    expected = float32_contract(x, cos, sin, ids)
+    first = numba_rope.rotary_embedding(x, cos, sin, ids)
+    assert _planned(x, cos, sin, ids, None)
+    # Other values of the same signature go through the plan.
+    x2, cos2, sin2, ids2 = make_case(rng, (2, 3, 5, 8), dtype, position_ids=with_ids)
+    if with_ids:
+        cos2, sin2 = cos, sin  # same cache shape; new ids and input
+    second = numba_rope.rotary_embedding(x2, cos2, sin2, ids2)
+    assert_bitwise_equal(first, expected)
+    assert_bitwise_equal(second, float32_contract(x2, cos2, sin2, ids2))
+    out = np.full_like(x2, np.nan)
+    assert numba_rope.rotary_embedding(x2, cos2, sin2, ids2, out=out) is out
+    numba_rope.rotary_embedding(x2, cos2, sin2, ids2, out=out)  # planned with out=
+    assert_bitwise_equal(out, float32_contract(x2, cos2, sin2, ids2))
+
+
+def test_plan_bshd_3d_and_inverse(rng):
+    x, cos, sin, ids = make_case(rng, (2, 3, 4, 8), np.float32)
+    x_bshd = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+    expected = float32_contract(x, cos, sin, ids).transpose(0, 2, 1, 3)
+    for _ in range(2):  # the second call runs the plan
+        y = numba_rope.rotary_embedding(x_bshd, cos, sin, ids, layout="bshd")
+        assert_bitwise_equal(y, expected)
+        y3 = numba_rope.rotary_embedding(x_bshd.reshape(2, 4, 24), cos, sin, ids, num_heads=3)
+        assert_bitwise_equal(y3, expected.reshape(2, 4, 24))
+        back = numba_rope.rotary_embedding(y, cos, sin, ids, layout="bshd", inverse=True)
+        y_bhsd = y.transpose(0, 2, 1, 3)
+        assert_bitwise_equal(back, float32_contract(y_bhsd, cos, -sin, ids).transpose(0, 2, 1, 3))
+        assert np.allclose(back, x_bshd, atol=1e-5)
+
+
+def test_plan_rejects_what_validation_rejects(rng):
+    x, cos, sin, ids = make_case(rng, (1, 2, 3, 4), np.float32, n_positions=6)
+    numba_rope.rotary_embedding(x, cos, sin, ids)
+    assert _planned(x, cos, sin, ids, None)
+    # 1 == True and 4.0 == 4 hash alike; the plan must not take them.
+    with pytest.raises(TypeError, match="interleaved"):
+        numba_rope.rotary_embedding(x, cos, sin, ids, interleaved=1)
+    numba_rope.rotary_embedding(x, cos, sin, ids, rotary_embedding_dim=4)
+    with pytest.raises(TypeError, match="rotary_embedding_dim"):
+        numba_rope.rotary_embedding(x, cos, sin, ids, rotary_embedding_dim=4.0)
+    # Bad ids: IndexError naming the value; out untouched.
+    out = np.full_like(x, 7.0)
+    numba_rope.rotary_embedding(x, cos, sin, ids, out=out)
+    out[...] = 7.0
+    bad = ids.copy()
+    bad[0, 2] = 6
+    with pytest.raises(IndexError, match="6"):
+        numba_rope.rotary_embedding(x, cos, sin, bad, out=out)
+    assert np.all(out == 7.0)
+    # A read-only out.
+    frozen = np.empty_like(x)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        numba_rope.rotary_embedding(x, cos, sin, ids, out=frozen)
+
+
+def test_plan_handles_overlap_and_other_strides(rng):
+    x, cos, sin, ids = make_case(rng, (1, 2, 3, 8), np.float32)
+    expected = float32_contract(x, cos, sin, ids)
+    out = np.empty_like(x)
+    numba_rope.rotary_embedding(x, cos, sin, ids, out=out)
+    assert _planned(x, cos, sin, ids, out)
+    # Same shapes, but out overlapping the input one element off: the general path
+    # copies the input first.
+    buffer = np.zeros(x.size + 1, np.float32)
+    buffer[:-1] = x.reshape(-1)
+    x_view = buffer[:-1].reshape(x.shape)
+    out_view = buffer[1:].reshape(x.shape)
+    numba_rope.rotary_embedding(x_view, cos, sin, ids, out=out_view)
+    assert_bitwise_equal(out_view, expected)
+    # Same shapes, every other element of a wider array (not unit stride).
+    wide = np.zeros((*x.shape[:-1], 16), np.float32)
+    wide[..., ::2] = x
+    strided_out = np.zeros_like(wide)
+    numba_rope.rotary_embedding(wide[..., ::2], cos, sin, ids, out=strided_out[..., ::2])
+    assert_bitwise_equal(strided_out[..., ::2], expected)
+    assert np.all(strided_out[..., 1::2] == 0)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BFLOAT16], ids=["float32", "bfloat16"])
+def test_qk_plan_equals_two_calls(rng, dtype):
+    q, cos, sin, ids = make_case(rng, (2, 4, 3, 8), dtype)
+    k = rng.standard_normal((2, 2, 3, 8)).astype(dtype)
+    expected = (float32_contract(q, cos, sin, ids), float32_contract(k, cos, sin, ids))
+    for _ in range(2):  # the second call runs the plan
+        got = numba_rope.rotary_embedding_qk(q, k, cos, sin, ids)
+        assert_bitwise_equal(got[0], expected[0])
+        assert_bitwise_equal(got[1], expected[1])
+    out_q, out_k = np.empty_like(q), np.empty_like(k)
+    for _ in range(2):
+        numba_rope.rotary_embedding_qk(q, k, cos, sin, ids, out_q=out_q, out_k=out_k)
+        assert_bitwise_equal(out_q, expected[0])
+        assert_bitwise_equal(out_k, expected[1])
+    with pytest.raises(ValueError, match="share memory"):
+        numba_rope.rotary_embedding_qk(q, k, cos, sin, ids, out_q=out_q, out_k=out_q[:, :2])
+
+
+def test_plans_table_is_bounded(rng, monkeypatch):
+    monkeypatch.setattr(_dispatch, "MAX_PLANS", 3)
+    for seq_len in range(1, 6):
+        x, cos, sin, ids = make_case(rng, (1, 1, seq_len, 4), np.float32)
+        numba_rope.rotary_embedding(x, cos, sin, ids)
+    assert 1 <= len(_dispatch.CPU_PLANS) <= 3
