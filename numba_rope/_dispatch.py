@@ -229,16 +229,22 @@ class CpuBackend:
 #: Plans of NumPy calls already validated, by :func:`plan_key`; see :func:`cpu_plan`.
 CPU_PLANS: dict[tuple, Any] = {}
 
+_INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
+
 #: Most plans kept; past it the table starts again (a program uses a few shapes).
 MAX_PLANS = 512
 
 
-def plan_key(x, cos, sin, position_ids, out, interleaved, rotary_dim, layout, num_heads, inverse):
+def plan_key(
+    x, cos, sin, position_ids, out, interleaved, rotary_dim, layout, num_heads, inverse, offset=None
+):
     """What a call's validation depends on (shapes, dtypes, options), or None if the
     call is not one a plan can run: every array a NumPy array, the options of exact
-    types (``1`` and ``True`` hash alike but only ``True`` is valid), no offset."""
+    types (``1`` and ``True`` hash alike but only ``True`` is valid), no offset or a
+    Python ``int`` offset (its value is checked by the kernel)."""
     if (
-        type(cos) is not np.ndarray
+        not (offset is None or type(offset) is int)
+        or type(cos) is not np.ndarray
         or type(sin) is not np.ndarray
         or not (position_ids is None or type(position_ids) is np.ndarray)
         or not (out is None or type(out) is np.ndarray)
@@ -265,6 +271,7 @@ def plan_key(x, cos, sin, position_ids, out, interleaved, rotary_dim, layout, nu
         layout,
         num_heads,
         inverse,
+        offset is None,
     )
 
 
@@ -295,9 +302,15 @@ def cpu_plan(call, x, cos, position_ids) -> Any:
     to_bhsd = x.ndim == 3 or layout == "bshd"
     done = _cpu.DONE
 
-    def plan(x, cos, sin, position_ids, out):
+    batch = shape[0]
+
+    def plan(x, cos, sin, position_ids, out, offset=None):
         if size >= config.PARALLEL_MIN_ELEMENTS:
             return None
+        if offset is not None:
+            if not _INT64_MIN <= offset <= _INT64_MAX:
+                return None
+            position_ids = np.full(batch, offset, np.int64)
         if out is None:
             out = np.empty(x_shape, x_dtype)
         elif not out.flags.writeable:

@@ -121,7 +121,7 @@ def rotary_embedding(
            [-1.,  1.,  1.,  1.]], dtype=float32)
     """
     key = None
-    if type(input) is np.ndarray and position_offset is None:
+    if type(input) is np.ndarray:
         # A NumPy call whose signature was validated before runs its plan directly.
         key = _dispatch.plan_key(
             input,
@@ -134,11 +134,12 @@ def rotary_embedding(
             layout,
             num_heads,
             inverse,
+            position_offset,
         )
         if key is not None:
             plan = _dispatch.CPU_PLANS.get(key)
             if plan is not None:
-                result = plan(input, cos_cache, sin_cache, position_ids, out)
+                result = plan(input, cos_cache, sin_cache, position_ids, out, position_offset)
                 if result is not None:
                     return result
     offset_array = None if _dispatch.is_scalar(position_offset) else position_offset
@@ -184,7 +185,11 @@ def _check(
     """:func:`check_call` on the shapes and dtypes the backend reads from the arguments
     (a scalar offset is described by NumPy: shape ``()``, its dtype)."""
     describe = backend.describe
-    if position_offset is not None and _dispatch.is_scalar(position_offset):
+    if type(position_offset) is int:
+        # Any Python int is an integer offset, even one beyond int64 (whose value is
+        # then reported out of range, not its NumPy dtype "object").
+        offset = ((), np.dtype(np.int64))
+    elif position_offset is not None and _dispatch.is_scalar(position_offset):
         offset = ((), np.asarray(position_offset).dtype)
     else:
         offset = describe(position_offset)

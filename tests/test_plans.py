@@ -138,3 +138,17 @@ def test_plans_table_is_bounded(rng, monkeypatch):
         x, cos, sin, ids = make_case(rng, (1, 1, seq_len, 4), np.float32)
         numba_rope.rotary_embedding(x, cos, sin, ids)
     assert 1 <= len(_dispatch.CPU_PLANS) <= 3
+
+
+def test_plan_with_an_integer_offset(rng):
+    x, cos, sin, _ = make_case(rng, (2, 3, 4, 8), np.float16, n_positions=12)
+    for offset in (0, 5, 8, 3):  # the plan is made by the first call, run by the others
+        ids = np.full((2, 4), offset) + np.arange(4)
+        got = numba_rope.rotary_embedding(x, cos, sin, position_offset=offset)
+        assert_bitwise_equal(got, float32_contract(x, cos, sin, ids))
+    key = _dispatch.plan_key(x, cos, sin, None, None, False, 0, "bhsd", None, False, 3)
+    assert _dispatch.CPU_PLANS.get(key) is not None
+    with pytest.raises(IndexError, match="9"):
+        numba_rope.rotary_embedding(x, cos, sin, position_offset=9)  # rows 9..12 of 12
+    with pytest.raises(IndexError):
+        numba_rope.rotary_embedding(x, cos, sin, position_offset=2**70)
