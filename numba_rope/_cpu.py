@@ -1,9 +1,9 @@
 """CPU kernels: parallel ``@njit`` loops over the rows of the input.
 
-A *row* is the ``head_size`` elements of one (batch, head, token). Rows are numbered
-in the input's logical order ``(batch, head, seq)``; the parallel kernel splits that
-range into contiguous chunks so each thread streams through memory, and small inputs
-run the same row loop on the calling thread.
+A *row* is the ``head_size`` elements of one (batch, head, token). The kernels walk
+units of rows (a sequence's tile of tokens over its heads, see :func:`_make_kernels`);
+the parallel kernels split the units into contiguous chunks so each thread streams
+through memory, and small inputs run the same loop on the calling thread.
 
 The kernels trust their arguments: :mod:`numba_rope._validation` has checked shapes,
 dtypes and position ids before any of them runs. float16 and bfloat16 arrays arrive as
@@ -209,12 +209,13 @@ def _make_kernels(interleaved: bool, inverse: bool, contiguous: bool):
     they are slices (slower: each slice updates a shared reference count).
 
     Work is split into *units*: one batch entry, a tile of ``tile`` consecutive tokens
-    and a group of heads. A unit rotates its heads token tile by token tile, so the
-    tile's cos/sin rows are read from memory once and then reused by every head from
-    L1, while each head's rows stream through memory contiguously. Units are numbered
-    (batch, tile, group); the parallel kernels give each thread contiguous chunks of
-    them. The result does not depend on the split: every element is computed by the
-    same arithmetic.
+    and a group of heads. A unit rotates its heads one after the other, each over the
+    tile's tokens: the tile's cos/sin rows are reused by every head from the caches
+    while each head's rows stream through memory (``config.TOKENS_PER_TILE`` trades the
+    two). Units are numbered (batch, tile, group); the parallel kernels give each thread
+    contiguous chunks of them, and split heads into groups when there are few units.
+    The result does not depend on the split: every element is computed by the same
+    arithmetic.
     """
     sign = np.float32(-1.0 if inverse else 1.0)  # exact in every compute type
 
@@ -307,7 +308,7 @@ def _make_kernels(interleaved: bool, inverse: bool, contiguous: bool):
         status = _preflight_qk(q, k, cos, sin, positions, out_q, out_k, check_overlap)
         if status != DONE:
             return status
-        # Unit by unit, q's heads then k's: both use the tile's cos/sin rows from L1.
+        # Unit by unit, q's heads then k's: k reuses the tile's cos/sin rows.
         for unit in range(_n_units(q.shape[0], q.shape[2], tile, n_groups)):
             if contiguous:
                 _contiguous_units(

@@ -111,6 +111,42 @@ def test_result_independent_of_thread_count(rng, parallel_always, threads):
     assert_bitwise_equal(got, float32_contract(x, cos, sin, ids))
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("tile", [1, 3])
+@pytest.mark.parametrize(
+    "shape", [(2, 5, 7, 8), (1, 9, 1, 8), (1, 3, 10, 8)], ids=["batch", "decode", "prefill"]
+)
+def test_any_work_split_gives_the_contract_bits(rng, monkeypatch, shape, tile, parallel):
+    # Token tiles (several per sequence, one partial), head groups (one sequence of one
+    # token over many heads) and chunks of units: every split gives the same bits.
+    from numba_rope import _dispatch, config
+
+    monkeypatch.setattr(config, "TOKENS_PER_TILE", tile)
+    if parallel:
+        monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 0)
+    _dispatch.CPU_PLANS.clear()
+    x, cos, sin, ids = make_case(rng, shape, BFLOAT16)
+    k = rng.standard_normal((shape[0], 2, shape[2], shape[3])).astype(BFLOAT16)
+    for interleaved in (False, True):
+        got = numba_rope.rotary_embedding(x, cos, sin, ids, interleaved=interleaved)
+        assert_bitwise_equal(got, float32_contract(x, cos, sin, ids, interleaved))
+        got_q, got_k = numba_rope.rotary_embedding_qk(x, k, cos, sin, ids, interleaved=interleaved)
+        assert_bitwise_equal(got_q, float32_contract(x, cos, sin, ids, interleaved))
+        assert_bitwise_equal(got_k, float32_contract(k, cos, sin, ids, interleaved))
+
+
+def test_work_split_groups_heads_when_units_are_few(monkeypatch):
+    from numba_rope import _cpu, config
+
+    monkeypatch.setattr(config, "TOKENS_PER_TILE", 4)
+    monkeypatch.setattr(config, "CHUNKS_PER_THREAD", 4)
+    monkeypatch.setattr(numba, "get_num_threads", lambda: 2)
+    assert _cpu.work_split(1, 32, 1, parallel=True) == (4, 8, 8)  # one token, 32 heads
+    assert _cpu.work_split(8, 32, 4, parallel=True) == (4, 1, 8)  # enough units
+    assert _cpu.work_split(1, 32, 10, parallel=True) == (4, 3, 8)  # 3 tiles x 3 groups
+    assert _cpu.work_split(1, 32, 10, parallel=False) == (4, 1, 1)
+
+
 def test_default_threshold_routes_small_serial_and_large_parallel(rng, monkeypatch):
     from numba_rope import _cpu, config
 
