@@ -178,7 +178,7 @@ class CpuBackend:
             return result
         views = (_storage(bhsd(x, layout, shape)), _storage(bhsd(result, layout, shape)))
         args = (_storage(cos), _storage(sin), positions)
-        status = _launch(views, args, interleaved, rotary_dim, inverse)
+        status = _launch(views, args, interleaved, rotary_dim, inverse, in_place=out is x)
         if status == _cpu.OVERLAP:
             # Rare: the byte ranges of out and an input intersect. Copy the inputs that
             # really share memory with out, then launch without the range test.
@@ -215,7 +215,8 @@ class CpuBackend:
         qs = (_storage(bhsd(q, layout, q_shape)), _storage(bhsd(result_q, layout, q_shape)))
         ks = (_storage(bhsd(k, layout, k_shape)), _storage(bhsd(result_k, layout, k_shape)))
         args = (_storage(cos), _storage(sin), positions)
-        status = _launch_qk(qs, ks, args, interleaved, rotary_dim, inverse)
+        in_place = out_q is q and out_k is k
+        status = _launch_qk(qs, ks, args, interleaved, rotary_dim, inverse, in_place=in_place)
         if status == _cpu.OVERLAP:
             if np.shares_memory(qs[1], ks[1]):
                 raise ValueError("out_q and out_k share memory; give them separate buffers")
@@ -294,7 +295,6 @@ def cpu_plan(call, x, cos, position_ids) -> Any:
     interleaved, rotary_dim, inverse, shape, layout = call
     if x.size == 0 or (position_ids is not None and position_ids.dtype not in _KERNEL_ID_DTYPES):
         return None
-    contiguous_serial = _cpu.kernels(interleaved, inverse, True)[0]
     size = x.size
     x_item, cache_item = x.dtype.itemsize, cos.dtype.itemsize
     x_shape, x_dtype = x.shape, x.dtype
@@ -307,6 +307,7 @@ def cpu_plan(call, x, cos, position_ids) -> Any:
     def plan(x, cos, sin, position_ids, out, offset=None):
         if size >= config.PARALLEL_MIN_ELEMENTS:
             return None
+        in_place = out is x
         if offset is not None:
             if not _INT64_MIN <= offset <= _INT64_MAX:
                 return None
@@ -322,15 +323,13 @@ def cpu_plan(call, x, cos, position_ids) -> Any:
             x_view, out_view = x_view.view(x_storage), out_view.view(x_storage)
         if cache_storage is not None:
             cos, sin = cos.view(cache_storage), sin.view(cache_storage)
-        if (
+        contiguous = (
             x.strides[-1] == x_item
             and out.strides[-1] == x_item
             and cos.strides[-1] == cache_item
             and sin.strides[-1] == cache_item
-        ):
-            serial = contiguous_serial
-        else:
-            serial = _cpu.kernels(interleaved, inverse, False)[0]
+        )
+        serial = _cpu.kernels(interleaved, inverse, contiguous, in_place)[0]
         status = serial(
             x_view, cos, sin, position_ids, out_view, rotary_dim, True, config.TOKENS_PER_TILE, 1
         )
@@ -379,6 +378,7 @@ def cpu_plan_qk(call, q_shape, k_shape, q, k, cos, position_ids) -> Any:
     def plan(q, k, cos, sin, position_ids, out_q, out_k):
         if size >= config.PARALLEL_MIN_ELEMENTS:
             return None
+        in_place = out_q is q and out_k is k
         if out_q is None:
             out_q = np.empty(q_raw, dtype)
         elif not out_q.flags.writeable:
@@ -402,7 +402,7 @@ def cpu_plan_qk(call, q_shape, k_shape, q, k, cos, position_ids) -> Any:
             and cos.strides[-1] == cache_item
             and sin.strides[-1] == cache_item
         )
-        serial = _cpu.kernels(interleaved, inverse, contiguous)[2]
+        serial = _cpu.kernels(interleaved, inverse, contiguous, in_place)[2]
         status = serial(
             views[0],
             views[2],
@@ -487,15 +487,19 @@ def _raise_position_error(index, position_ids, position_offset, n_positions, sha
     raise offset_error(index, int(np.asarray(position_offset)[index]), shape[2], n_positions)
 
 
-def _launch(views, args, interleaved, rotary_dim, inverse, check_overlap=True) -> int:
+def _launch(
+    views, args, interleaved, rotary_dim, inverse, check_overlap=True, in_place=False
+) -> int:
     x, out = views
     cos, sin, positions = args
     return _cpu._launch_cpu(
-        x, cos, sin, positions, out, interleaved, rotary_dim, inverse, check_overlap
+        x, cos, sin, positions, out, interleaved, rotary_dim, inverse, check_overlap, in_place
     )
 
 
-def _launch_qk(qs, ks, args, interleaved, rotary_dim, inverse, check_overlap=True) -> int:
+def _launch_qk(
+    qs, ks, args, interleaved, rotary_dim, inverse, check_overlap=True, in_place=False
+) -> int:
     cos, sin, positions = args
     return _cpu._launch_cpu_qk(
         qs[0],
@@ -509,6 +513,7 @@ def _launch_qk(qs, ks, args, interleaved, rotary_dim, inverse, check_overlap=Tru
         rotary_dim,
         inverse,
         check_overlap,
+        in_place,
     )
 
 

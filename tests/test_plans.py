@@ -152,3 +152,18 @@ def test_plan_with_an_integer_offset(rng):
         numba_rope.rotary_embedding(x, cos, sin, position_offset=9)  # rows 9..12 of 12
     with pytest.raises(IndexError):
         numba_rope.rotary_embedding(x, cos, sin, position_offset=2**70)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=[d.name for d in DTYPES])
+def test_plan_in_place(rng, dtype):
+    # out is the input: the in-place kernels (one array for reading and writing).
+    x, cos, sin, ids = make_case(rng, (2, 3, 4, 16), dtype)
+    k = rng.standard_normal((2, 1, 4, 16)).astype(dtype)
+    for _ in range(2):  # the second call runs the plan
+        expected = float32_contract(x, cos, sin, ids)
+        assert numba_rope.rotary_embedding(x, cos, sin, ids, out=x) is x
+        assert_bitwise_equal(x, expected)
+        expected_q, expected_k = (float32_contract(a, cos, sin, ids) for a in (x, k))
+        numba_rope.rotary_embedding_qk(x, k, cos, sin, ids, out_q=x, out_k=k)
+        assert_bitwise_equal(x, expected_q)
+        assert_bitwise_equal(k, expected_k)
