@@ -287,10 +287,12 @@ def cpu_plan(call, x, cos, position_ids) -> Any:
     """A function that runs further calls of this validated signature on one thread
     with the least Python work, or None where the general path is needed anyway.
 
-    The plan returns the result, or None when the general path must take over: an
-    input too large for one thread, a read-only ``out``, or a kernel status other than
-    DONE (an overlap of ``out`` with an input, a bad position id). Nothing has been
-    written then, so the general path runs the call again from the start.
+    The plan takes the call's arrays and its ``int`` position offset (or None), and
+    returns the result, or None when the general path must take over: an input too
+    large for one thread, a read-only ``out``, an offset beyond int64, or a kernel
+    status other than DONE (an overlap of ``out`` with an input, a bad position).
+    Nothing has been written then, so the general path runs the call again from the
+    start and raises or handles it.
     """
     interleaved, rotary_dim, inverse, shape, layout = call
     if x.size == 0 or (position_ids is not None and position_ids.dtype not in _KERNEL_ID_DTYPES):
@@ -338,12 +340,24 @@ def cpu_plan(call, x, cos, position_ids) -> Any:
     return plan
 
 
-def plan_key_qk(q, k, cos, sin, position_ids, out_q, out_k, options: tuple) -> tuple | None:
+def plan_key_qk(
+    q, k, cos, sin, position_ids, out_q, out_k, options: tuple, offset=None
+) -> tuple | None:
     """:func:`plan_key` for ``rotary_embedding_qk``; ``options`` are ``(interleaved,
     rotary_dim, layout, num_heads, num_kv_heads, inverse)``."""
     interleaved, rotary_dim, layout, num_heads, num_kv_heads, inverse = options
     key = plan_key(
-        q, cos, sin, position_ids, out_q, interleaved, rotary_dim, layout, num_heads, inverse
+        q,
+        cos,
+        sin,
+        position_ids,
+        out_q,
+        interleaved,
+        rotary_dim,
+        layout,
+        num_heads,
+        inverse,
+        offset,
     )
     if (
         key is None
@@ -375,9 +389,15 @@ def cpu_plan_qk(call, q_shape, k_shape, q, k, cos, position_ids) -> Any:
     to_bhsd = q.ndim == 3 or layout == "bshd"
     done = _cpu.DONE
 
-    def plan(q, k, cos, sin, position_ids, out_q, out_k):
+    batch = q_shape[0]
+
+    def plan(q, k, cos, sin, position_ids, out_q, out_k, offset=None):
         if size >= config.PARALLEL_MIN_ELEMENTS:
             return None
+        if offset is not None:
+            if not _INT64_MIN <= offset <= _INT64_MAX:
+                return None
+            position_ids = np.full(batch, offset, np.int64)
         in_place = out_q is q and out_k is k
         if out_q is None:
             out_q = np.empty(q_raw, dtype)

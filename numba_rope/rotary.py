@@ -266,13 +266,17 @@ position_offset, inverse, stream, check_position_ids
     True
     """
     key = None
-    if type(q) is np.ndarray and position_offset is None:
+    if type(q) is np.ndarray:
         options = (interleaved, rotary_embedding_dim, layout, num_heads, num_kv_heads, inverse)
-        key = _dispatch.plan_key_qk(q, k, cos_cache, sin_cache, position_ids, out_q, out_k, options)
+        key = _dispatch.plan_key_qk(
+            q, k, cos_cache, sin_cache, position_ids, out_q, out_k, options, position_offset
+        )
         if key is not None:
             plan = _dispatch.CPU_PLANS.get(key)
             if plan is not None:
-                results = plan(q, k, cos_cache, sin_cache, position_ids, out_q, out_k)
+                results = plan(
+                    q, k, cos_cache, sin_cache, position_ids, out_q, out_k, position_offset
+                )
                 if results is not None:
                     return results
     offset_array = None if _dispatch.is_scalar(position_offset) else position_offset

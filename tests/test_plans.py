@@ -167,3 +167,24 @@ def test_plan_in_place(rng, dtype):
         numba_rope.rotary_embedding_qk(x, k, cos, sin, ids, out_q=x, out_k=k)
         assert_bitwise_equal(x, expected_q)
         assert_bitwise_equal(k, expected_k)
+
+
+def test_qk_plan_with_an_integer_offset_in_place_on_a_fused_buffer(rng):
+    # The Llama decode step: q and k views of one qkv buffer, rotated in place, bshd.
+    _, cos, sin, _ = make_case(rng, (1, 1, 1, 8), np.float32, n_positions=20)
+    for offset in (3, 7, 11):
+        qkv = rng.standard_normal((2, 1, 4 * 8 + 2 * 8 + 2 * 8)).astype(np.float32)
+        q = qkv[..., :32].reshape(2, 1, 4, 8)
+        k = qkv[..., 32:48].reshape(2, 1, 2, 8)
+        ids = np.full((2, 1), offset)
+        expected_q = float32_contract(q.transpose(0, 2, 1, 3), cos, sin, ids).transpose(0, 2, 1, 3)
+        expected_k = float32_contract(k.transpose(0, 2, 1, 3), cos, sin, ids).transpose(0, 2, 1, 3)
+        v_before = qkv[..., 48:].copy()
+        numba_rope.rotary_embedding_qk(
+            q, k, cos, sin, position_offset=offset, layout="bshd", out_q=q, out_k=k
+        )
+        assert_bitwise_equal(q, expected_q)
+        assert_bitwise_equal(k, expected_k)
+        assert np.array_equal(qkv[..., 48:], v_before)
+    with pytest.raises(IndexError):
+        numba_rope.rotary_embedding_qk(q, k, cos, sin, position_offset=20, layout="bshd")
