@@ -799,7 +799,9 @@ class CudaBackend:
             return None
         if is_scalar(position_offset):
             offset = int(position_offset)
-            if check and seq_len and not 0 <= offset <= n_positions - seq_len:
+            out_of_range = seq_len and not 0 <= offset <= n_positions - seq_len
+            # Unchecked offsets still have to fit the kernel's int64.
+            if out_of_range and (check or not _INT64_MIN <= offset <= _INT64_MAX):
                 raise offset_error(None, offset, seq_len, n_positions)
             return offset
         view = self.view(position_offset)

@@ -169,12 +169,23 @@ def test_position_offset_dtypes_and_numpy_scalars(rng, offset_dtype):
         (-1, IndexError, r"position_offset = -1 puts"),
         (np.array([0, 7]), IndexError, r"position_offset\[1\] = 7 puts positions 7\.\.10"),
         (np.array([2**64 - 1, 0], np.uint64), IndexError, str(2**64 - 1)),
+        (2**70, IndexError, str(2**70)),
         (2.0, TypeError, "position_offset must be an integer"),
         (True, TypeError, "position_offset must be an integer"),
         (np.array([1.0, 2.0]), TypeError, "got dtype float64"),
         (np.array([1, 2, 3]), ValueError, r"shape \[batch\] = \(2,\), got shape \(3,\)"),
     ],
-    ids=["past end", "negative", "array", "uint64", "float", "bool", "float array", "shape"],
+    ids=[
+        "past end",
+        "negative",
+        "array",
+        "uint64",
+        "beyond int64",
+        "float",
+        "bool",
+        "float array",
+        "shape",
+    ],
 )
 def test_position_offset_errors_write_nothing(rng, device, offset, error, fragment):
     on, off = device
@@ -210,6 +221,11 @@ def test_unchecked_bad_offsets_give_nan_rows_on_the_gpu(rng, gpu):
         got[1, :, :2], contract_bhsd(x[1:], cos, sin, np.array([[4, 5, 4, 5]]))[0, :, :2]
     )
     assert np.isnan(got[1, :, 2:]).all()
+    # An offset no int64 holds is refused even unchecked: the kernel could not take it.
+    with pytest.raises(IndexError, match=str(2**70)):
+        numba_rope.rotary_embedding(
+            on(x), on(cos), on(sin), position_offset=2**70, check_position_ids=False
+        )
 
 
 # -- inverse ------------------------------------------------------------------------------
