@@ -35,9 +35,12 @@ def _cache_row_index(cache, positions, b, s):  # pragma: no cover - see overload
 @overload(_cache_row_index, inline="always")
 def _cache_row_index_overload(cache, positions, b, s):
     # Chosen at compile time from the type of ``positions``: None (caches indexed by
-    # token), 2-D position ids, or 1-D per-batch offsets (positions offset + s).
+    # token), 2-D position ids, 1-D per-batch offsets or one offset for the whole batch
+    # (positions offset + s).
     if isinstance(positions, types.NoneType):
         return lambda cache, positions, b, s: (b, s)
+    if isinstance(positions, types.Integer):
+        return lambda cache, positions, b, s: (positions + s,)
     if positions.ndim == 2:
         return lambda cache, positions, b, s: (positions[b, s],)
     return lambda cache, positions, b, s: (positions[b] + s,)
@@ -52,6 +55,8 @@ def _cache_row_offset(cache, positions, b, s):  # pragma: no cover - see overloa
 def _cache_row_offset_overload(cache, positions, b, s):
     if isinstance(positions, types.NoneType):
         return lambda cache, positions, b, s: b * cache.strides[0] + s * cache.strides[1]
+    if isinstance(positions, types.Integer):
+        return lambda cache, positions, b, s: (positions + s) * cache.strides[0]
     if positions.ndim == 2:
         return lambda cache, positions, b, s: positions[b, s] * cache.strides[0]
     return lambda cache, positions, b, s: (positions[b] + s) * cache.strides[0]
@@ -489,6 +494,10 @@ def _check_positions(positions, n_positions, seq_len):  # pragma: no cover - see
 def _check_positions_overload(positions, n_positions, seq_len):
     if isinstance(positions, types.NoneType):
         return lambda positions, n_positions, seq_len: -1
+    if isinstance(positions, types.Integer):  # one offset: 0 (batch entry 0) if bad
+        return lambda positions, n_positions, seq_len: (
+            0 if seq_len and not 0 <= positions <= n_positions - seq_len else -1
+        )
     if positions.ndim == 2:
         return lambda positions, n_positions, seq_len: _first_bad_position(positions, n_positions)
     return lambda positions, n_positions, seq_len: _first_bad_offset(
@@ -526,7 +535,7 @@ def _positions_span(positions):  # pragma: no cover - see overload
 
 @overload(_positions_span, inline="always")
 def _positions_span_overload(positions):
-    if isinstance(positions, types.NoneType):
+    if isinstance(positions, (types.NoneType, types.Integer)):
         return lambda positions: (0, 0)
     return lambda positions: _span(
         positions.ctypes.data, positions.shape, positions.strides, positions.itemsize

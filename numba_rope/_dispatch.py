@@ -128,11 +128,9 @@ def is_scalar(value: Any) -> bool:
 
 
 def _storage(array: np.ndarray) -> np.ndarray:
-    # Validation has admitted only float32/float64 and the two 16-bit formats, of which
-    # float16 has kind "f" and ml_dtypes' bfloat16 kind "V".
-    if array.dtype.itemsize != 2:
-        return array
-    return array.view(FLOAT16_STORAGE if array.dtype.kind == "f" else BFLOAT16_STORAGE)
+    """The array as the kernels take it (see :func:`_storage_dtype`)."""
+    storage = _storage_dtype(array.dtype)
+    return array if storage is None else array.view(storage)
 
 
 def bhsd(array: Any, layout: str, shape: tuple[int, ...]) -> Any:
@@ -277,7 +275,9 @@ def plan_key(
 
 
 def _storage_dtype(dtype: np.dtype) -> np.dtype | None:
-    """The integer dtype a 16-bit format travels as (see :func:`_storage`), else None."""
+    """The integer dtype a 16-bit format travels as, else None. Validation has admitted
+    only float32/float64 and the two 16-bit formats, of which float16 has kind "f" and
+    ml_dtypes' bfloat16 kind "V"."""
     if dtype.itemsize != 2:
         return None
     return np.dtype(FLOAT16_STORAGE if dtype.kind == "f" else BFLOAT16_STORAGE)
@@ -304,8 +304,6 @@ def cpu_plan(call, x, cos, position_ids) -> Any:
     to_bhsd = x.ndim == 3 or layout == "bshd"
     done = _cpu.DONE
 
-    batch = shape[0]
-
     def plan(x, cos, sin, position_ids, out, offset=None):
         if size >= config.PARALLEL_MIN_ELEMENTS:
             return None
@@ -313,7 +311,7 @@ def cpu_plan(call, x, cos, position_ids) -> Any:
         if offset is not None:
             if not _INT64_MIN <= offset <= _INT64_MAX:
                 return None
-            position_ids = np.full(batch, offset, np.int64)
+            position_ids = offset  # the kernels take one offset as is
         if out is None:
             out = np.empty(x_shape, x_dtype)
         elif not out.flags.writeable:
@@ -389,15 +387,13 @@ def cpu_plan_qk(call, q_shape, k_shape, q, k, cos, position_ids) -> Any:
     to_bhsd = q.ndim == 3 or layout == "bshd"
     done = _cpu.DONE
 
-    batch = q_shape[0]
-
     def plan(q, k, cos, sin, position_ids, out_q, out_k, offset=None):
         if size >= config.PARALLEL_MIN_ELEMENTS:
             return None
         if offset is not None:
             if not _INT64_MIN <= offset <= _INT64_MAX:
                 return None
-            position_ids = np.full(batch, offset, np.int64)
+            position_ids = offset  # the kernels take one offset as is
         in_place = out_q is q and out_k is k
         if out_q is None:
             out_q = np.empty(q_raw, dtype)
@@ -459,13 +455,14 @@ def _output(x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
 
 
 def _kernel_positions(position_ids, position_offset, n_positions: int, shape) -> Any:
-    """What the kernels take for positions: None, int32/int64 ids, or int64 offsets.
+    """What the kernels take for positions: None, int32/int64 ids, int64 offsets, or
+    one ``np.int64`` offset for the whole batch.
 
     Ids of other integer dtypes are range-checked as given (a uint64 id may not fit
-    int64) before conversion; a scalar offset is checked here and spread over the
-    batch. Everything else is checked by the kernel before it writes.
+    int64) before conversion; a scalar offset is checked here. Everything else is
+    checked by the kernel before it writes.
     """
-    batch, _, seq_len, _ = shape
+    seq_len = shape[2]
     if position_ids is not None:
         if position_ids.dtype in _KERNEL_ID_DTYPES:
             return position_ids
@@ -479,7 +476,7 @@ def _kernel_positions(position_ids, position_offset, n_positions: int, shape) ->
         offset = int(position_offset)
         if seq_len and not 0 <= offset <= n_positions - seq_len:
             raise offset_error(None, offset, seq_len, n_positions)
-        return np.full(batch, offset, dtype=np.int64)
+        return np.int64(offset)
     offsets = np.asarray(position_offset)
     if offsets.dtype == np.uint64 and offsets.size and offsets.max() > np.iinfo(np.int64).max:
         b = int(np.argmax(offsets > np.iinfo(np.int64).max))
@@ -490,8 +487,8 @@ def _kernel_positions(position_ids, position_offset, n_positions: int, shape) ->
 def _check_positions_on_host(positions, position_ids, position_offset, n_positions, shape):
     """The kernels check positions before they write; with nothing to rotate (an empty
     input) no kernel runs, and bad positions are still an error."""
-    if positions is None:
-        return
+    if positions is None or isinstance(positions, np.integer):
+        return  # none, or one offset: checked by _kernel_positions
     if positions.ndim == 2:
         bad = _cpu.first_bad_position(positions, n_positions)
     else:
@@ -546,7 +543,7 @@ def _same_elements(a: np.ndarray, b: np.ndarray) -> bool:
 
 def _unshared(array, out):
     """``array``, or a copy of it if it really shares memory with ``out``."""
-    if array is not None and np.shares_memory(array, out):
+    if isinstance(array, np.ndarray) and np.shares_memory(array, out):
         return array.copy()
     return array
 
