@@ -50,19 +50,30 @@ def _bfloat16_to_float32(builder, bits):
     return builder.bitcast(wide, ir.FloatType())
 
 
-def _float32_to_bfloat16(builder, value):
+def _bfloat16_rounded_bits(builder, value):
+    """The bits of float32 ``value`` rounded to bfloat16 in their upper 16 bits (the
+    lower 16 are garbage). ``value`` must be the result of arithmetic, so that a NaN
+    is a quiet one (IEEE 754 arithmetic never returns a signaling NaN)."""
     bits = builder.bitcast(value, _I32)
-    # NaN becomes the canonical quiet NaN of its sign before rounding (rounding a NaN's
-    # bits could carry into infinity). Everything stays 32 bits wide until the final
-    # truncation, so the vectorized loop packs to 16 bits only once.
-    sign = builder.and_(bits, ir.Constant(_I32, 0x80000000))
-    quiet_nan = builder.or_(sign, ir.Constant(_I32, 0x7FC00000))
-    is_nan = builder.fcmp_unordered("uno", value, value)
-    bits = builder.select(is_nan, quiet_nan, bits)
+    # A quiet NaN becomes the canonical quiet NaN of its sign before rounding (rounding
+    # a NaN's bits could carry into the sign). Quiet NaNs are the largest patterns of
+    # each sign: as signed integers the positive ones lie above 0x7FC00000, as unsigned
+    # integers the negative ones lie above 0xFFC00000, and every other value lies below
+    # both bounds. Two minimums (vpminsd, vpminud) canonicalize them, where a test and a
+    # blend take four instructions.
+    positive_nan = ir.Constant(_I32, 0x7FC00000)
+    negative_nan = ir.Constant(_I32, 0xFFC00000)
+    bits = builder.select(builder.icmp_signed(">", bits, positive_nan), positive_nan, bits)
+    bits = builder.select(builder.icmp_unsigned(">", bits, negative_nan), negative_nan, bits)
     # Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit.
     lowest_kept = builder.and_(builder.lshr(bits, ir.Constant(_I32, 16)), ir.Constant(_I32, 1))
-    bias = builder.add(ir.Constant(_I32, 0x7FFF), lowest_kept)
-    rounded = builder.lshr(builder.add(bits, bias), ir.Constant(_I32, 16))
+    return builder.add(bits, builder.add(ir.Constant(_I32, 0x7FFF), lowest_kept))
+
+
+def _float32_to_bfloat16(builder, value):
+    # Everything stays 32 bits wide until the final truncation, so the vectorized loop
+    # packs to 16 bits only once.
+    rounded = builder.lshr(_bfloat16_rounded_bits(builder, value), ir.Constant(_I32, 16))
     return builder.trunc(rounded, _I16)
 
 
@@ -92,7 +103,12 @@ def widen(typingctx, value):
 
 @intrinsic
 def narrow_like(typingctx, value, like):
-    """Round ``value`` once to the element type of the array ``like``."""
+    """Round ``value`` once to the element type of the array ``like``.
+
+    ``value`` must come from arithmetic, so that a NaN is a quiet one (IEEE 754
+    arithmetic never returns a signaling NaN): the bfloat16 rounding relies on it, see
+    :func:`_bfloat16_rounded_bits`.
+    """
     if not isinstance(like, types.Array) or not isinstance(value, types.Float):
         return None
     target = like.dtype
@@ -111,3 +127,53 @@ def narrow_like(typingctx, value, like):
 
         return target(value, like), cast
     return None
+
+
+# bfloat16 two at a time. A 32-bit word of bfloat16 storage holds two elements, the
+# first in its low half (little-endian): each widens with one instruction (a shift or a
+# mask) where a single element takes two (a zero extension and a shift), and two
+# rounded results merge back into a word without packing and permuting lanes. The
+# arithmetic per element is unchanged, so are the results, bit for bit.
+
+_HIGH_HALF = 0xFFFF0000
+
+
+@intrinsic
+def bfloat16_low(typingctx, word):
+    """The first bfloat16 of a 32-bit storage word, as float32."""
+    if word != types.uint32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.shl(args[0], ir.Constant(_I32, 16)), ir.FloatType())
+
+    return types.float32(word), codegen
+
+
+@intrinsic
+def bfloat16_high(typingctx, word):
+    """The second bfloat16 of a 32-bit storage word, as float32."""
+    if word != types.uint32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.and_(args[0], ir.Constant(_I32, _HIGH_HALF)), ir.FloatType())
+
+    return types.float32(word), codegen
+
+
+@intrinsic
+def bfloat16_pair(typingctx, low, high):
+    """The 32-bit storage word of two float32 arithmetic results, each rounded once to
+    nearest even (see :func:`narrow_like`): ``low`` first."""
+    if low != types.float32 or high != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        first = builder.lshr(_bfloat16_rounded_bits(builder, args[0]), ir.Constant(_I32, 16))
+        second = builder.and_(
+            _bfloat16_rounded_bits(builder, args[1]), ir.Constant(_I32, _HIGH_HALF)
+        )
+        return builder.or_(first, second)
+
+    return types.uint32(low, high), codegen

@@ -301,6 +301,7 @@ def cpu_plan(call, x, cos, position_ids) -> Any:
     x_item, cache_item = x.dtype.itemsize, cos.dtype.itemsize
     x_shape, x_dtype = x.shape, x.dtype
     x_storage, cache_storage = _storage_dtype(x.dtype), _storage_dtype(cos.dtype)
+    words = x_storage == BFLOAT16_STORAGE and cache_storage == BFLOAT16_STORAGE
     to_bhsd = x.ndim == 3 or layout == "bshd"
     done = _cpu.DONE
 
@@ -329,7 +330,7 @@ def cpu_plan(call, x, cos, position_ids) -> Any:
             and cos.strides[-1] == cache_item
             and sin.strides[-1] == cache_item
         )
-        serial = _cpu.kernels(interleaved, inverse, contiguous, in_place)[0]
+        serial = _cpu.kernels(interleaved, inverse, contiguous, in_place, words)[0]
         status = serial(
             x_view, cos, sin, position_ids, out_view, rotary_dim, True, config.TOKENS_PER_TILE, 1
         )
@@ -384,6 +385,7 @@ def cpu_plan_qk(call, q_shape, k_shape, q, k, cos, position_ids) -> Any:
     item, cache_item = q.dtype.itemsize, cos.dtype.itemsize
     dtype, q_raw, k_raw = q.dtype, q.shape, k.shape
     storage, cache_storage = _storage_dtype(q.dtype), _storage_dtype(cos.dtype)
+    words = storage == BFLOAT16_STORAGE and cache_storage == BFLOAT16_STORAGE
     to_bhsd = q.ndim == 3 or layout == "bshd"
     done = _cpu.DONE
 
@@ -418,7 +420,7 @@ def cpu_plan_qk(call, q_shape, k_shape, q, k, cos, position_ids) -> Any:
             and cos.strides[-1] == cache_item
             and sin.strides[-1] == cache_item
         )
-        serial = _cpu.kernels(interleaved, inverse, contiguous, in_place)[2]
+        serial = _cpu.kernels(interleaved, inverse, contiguous, in_place, words)[2]
         status = serial(
             views[0],
             views[2],

@@ -1,5 +1,8 @@
 """The float16/bfloat16 conversions used inside the CPU kernels, checked exhaustively
-against NumPy's float16 casts and ml_dtypes' bfloat16 casts."""
+against NumPy's float16 casts and ml_dtypes' bfloat16 casts.
+
+Narrowing takes results of arithmetic, whose NaNs are quiet (IEEE 754 arithmetic never
+returns a signaling NaN): the float32 values fed to it here are quieted the same way."""
 
 from __future__ import annotations
 
@@ -11,6 +14,9 @@ from oracles import BFLOAT16, bits
 from numba_rope._conversions import (
     BFLOAT16_STORAGE,
     FLOAT16_STORAGE,
+    bfloat16_high,
+    bfloat16_low,
+    bfloat16_pair,
     narrow_like,
     widen,
 )
@@ -43,6 +49,14 @@ def test_widening_every_pattern(fmt, storage):
     np.testing.assert_array_equal(bits(got), bits(values.astype(np.float32)))
 
 
+def _quiet(bits):
+    """float32 bit patterns with every signaling NaN made quiet, as arithmetic would."""
+    bits = np.asarray(bits, np.uint32).copy()
+    signaling = ((bits & 0x7F800000) == 0x7F800000) & ((bits & 0x007FFFFF) != 0)
+    bits[signaling] |= 0x00400000
+    return bits
+
+
 def _interesting_float32(rng):
     special = np.array(
         [
@@ -73,8 +87,8 @@ def _interesting_float32(rng):
     return np.concatenate(
         [
             special,
-            random_bits.view(np.float32),
-            halfway.astype(np.uint32).view(np.float32),
+            _quiet(random_bits).view(np.float32),
+            _quiet(halfway).view(np.float32),
             halfway16.astype(np.uint32).view(np.float32),
             rng.standard_normal(1 << 16).astype(np.float32),
         ]
@@ -97,11 +111,73 @@ def test_narrowing_rounds_to_nearest_even(rng, fmt, storage):
     assert np.array_equal(np.isnan(got.view(fmt).astype(np.float32)), np.isnan(values))
 
 
+QUIET_NANS = [0x7FC00000, 0x7FC00001, 0x7FC08000, 0x7FFF8000, 0x7FFFFFFF]
+QUIET_NANS += [pattern | 0x80000000 for pattern in QUIET_NANS]
+
+
 def test_bfloat16_nan_is_canonical_quiet_nan_of_its_sign():
-    values = np.array([0x7F800001, 0xFF800001, 0x7FFFFFFF, 0xFFC00000], np.uint32).view(np.float32)
+    # Payloads whose rounding would carry into the exponent or the sign included.
+    values = np.array(QUIET_NANS, np.uint32).view(np.float32)
     got = np.empty(values.size, BFLOAT16_STORAGE)
     _narrow_all(values, got)
-    np.testing.assert_array_equal(got.view(np.uint16), [0x7FC0, 0xFFC0, 0x7FC0, 0xFFC0])
+    np.testing.assert_array_equal(got.view(np.uint16), [0x7FC0] * 5 + [0xFFC0] * 5)
+
+
+def test_quiet_is_what_arithmetic_does():
+    # The premise of the narrowing: arithmetic quiets a signaling NaN as _quiet does
+    # (here NumPy's float32 multiply; the kernels' loops are compiled the same way).
+    signaling = np.array([0x7F800001, 0xFF800001, 0x7FBFFFFF, 0x7FA00000], np.uint32)
+    with np.errstate(invalid="ignore"):
+        product = signaling.view(np.float32) * np.float32(1.5)
+    assert np.isnan(product).all()
+    np.testing.assert_array_equal(product.view(np.uint32) & 0x7FC00000, 0x7FC00000)
+    np.testing.assert_array_equal(_quiet(signaling) & 0x7FC00000, 0x7FC00000)
+
+
+@njit
+def _split_words(words, low, high):
+    for i in range(words.size):
+        low[i] = bfloat16_low(words[i])
+        high[i] = bfloat16_high(words[i])
+
+
+@njit
+def _join_words(low, high, words):
+    for i in range(words.size):
+        words[i] = bfloat16_pair(low[i], high[i])
+
+
+def test_bfloat16_words_widen_every_pattern():
+    # Each half of a word takes all 65,536 patterns, against the other half's.
+    patterns = ALL_PATTERNS.astype(np.uint32)
+    words = patterns | (patterns[::-1] << 16)
+    low = np.empty(words.size, np.float32)
+    high = np.empty(words.size, np.float32)
+    _split_words(words, low, high)
+    pairs = words.view(np.uint16).reshape(-1, 2).view(BFLOAT16)
+    np.testing.assert_array_equal(bits(low), bits(pairs[:, 0].astype(np.float32)))
+    np.testing.assert_array_equal(bits(high), bits(pairs[:, 1].astype(np.float32)))
+
+
+def test_bfloat16_words_round_like_one_element(rng):
+    # Two values into one word: each rounded as narrow_like rounds it, low one first.
+    values = np.concatenate(
+        [_interesting_float32(rng), np.array(QUIET_NANS, np.uint32).view(np.float32)]
+    )
+    low, high = values, rng.permutation(values)
+    words = np.empty(values.size, np.uint32)
+    _join_words(low, high, words)
+    with np.errstate(all="ignore"):
+        want = np.stack([low.astype(BFLOAT16), high.astype(BFLOAT16)], axis=1)
+    got = words.view(np.uint16).reshape(-1, 2).view(BFLOAT16)
+    np.testing.assert_array_equal(bits(got), bits(want))
+    # NaNs (which bits() does not tell apart): the canonical quiet NaN of their sign.
+    for column, source in enumerate((low, high)):
+        nan = np.isnan(source)
+        assert nan.sum() > 10
+        stored = got.view(np.uint16)[:, column][nan]
+        sign = (source[nan].view(np.uint32) >> 31).astype(np.uint16)
+        np.testing.assert_array_equal(stored, 0x7FC0 | (sign << 15))
 
 
 def test_float_storage_passes_through():

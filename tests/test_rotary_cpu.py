@@ -210,6 +210,46 @@ def test_out_and_in_place(rng, dtype):
     assert_bitwise_equal(inplace, want)
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("start", [0, 1], ids=["even", "odd"])
+@pytest.mark.parametrize(
+    ("head_size", "rotary_dim"), [(8, 8), (9, 8), (7, 6), (13, 10), (34, 34), (40, 2)]
+)
+def test_bfloat16_two_per_word_at_any_alignment(rng, head_size, rotary_dim, start, interleaved):
+    # bfloat16 rows go two elements per 32-bit word: rows starting between words
+    # (``start`` 1, odd head sizes), an odd number of pairs (6, 10, 34), channels left
+    # over, in place, caches starting between words too.
+    shape = (2, 3, 5, head_size)
+    half = rotary_dim // 2
+    buffer = rng.standard_normal((2, 3, 5, head_size + 2)).astype(BFLOAT16)
+    x = buffer[..., start : start + head_size]
+    # Signaling NaNs in: arithmetic makes them quiet, the output rounds them as such.
+    flat = buffer.view(np.uint16).reshape(-1)
+    flat[7::53] = 0x7F81
+    flat[11::61] = 0xFFA0
+    _, cos, sin, ids = make_case(rng, shape, BFLOAT16, rotary_dim=rotary_dim)
+    cos_view = np.zeros((cos.shape[0], half + 1), BFLOAT16)[:, start : start + half]
+    sin_view = np.zeros((sin.shape[0], half + 1), BFLOAT16)[:, start : start + half]
+    cos_view[:], sin_view[:] = cos, sin
+    want = float32_contract(x, cos, sin, ids, interleaved, rotary_dim)
+    assert np.isnan(want.astype(np.float32)).any()
+    options = {"interleaved": interleaved, "rotary_embedding_dim": rotary_dim}
+    got = numba_rope.rotary_embedding(x, cos_view, sin_view, ids, **options)
+    assert_bitwise_equal(got, want)
+    out_buffer = np.zeros_like(buffer)
+    out = out_buffer[..., 1 - start : 1 - start + head_size]
+    numba_rope.rotary_embedding(x, cos_view, sin_view, ids, out=out, **options)
+    assert_bitwise_equal(out, want)
+    numba_rope.rotary_embedding(x, cos_view, sin_view, ids, out=x, **options)
+    assert_bitwise_equal(x, want)
+    # Rotated NaNs are the canonical quiet NaN of their sign.
+    nan = np.isnan(x.astype(np.float32))
+    assert nan.any()
+    rotated = np.zeros(shape, bool)
+    rotated[..., :rotary_dim] = True
+    assert set(np.unique(x.view(np.uint16)[nan & rotated]) & 0x7FFF) == {0x7FC0}
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_in_place_on_views_of_fused_qkv(rng, interleaved):
     qkv = rng.standard_normal((2, 4, 6, 3 * 16)).astype(np.float32)
