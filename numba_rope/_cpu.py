@@ -283,7 +283,7 @@ def _strided_units(
                 )
 
 
-def _make_kernels(interleaved: bool, inverse: bool, contiguous: bool, in_place: bool, words: bool):
+def _make_kernels(interleaved: bool, inverse: bool, contiguous: bool, in_place: int, words: bool):
     """The CPU kernels for one choice of options, compiled in as constants: each call
     compiles only the code it runs.
 
@@ -294,7 +294,8 @@ def _make_kernels(interleaved: bool, inverse: bool, contiguous: bool, in_place: 
     they are slices (slower: each slice updates a shared reference count).
     ``words``: the rows are contiguous bfloat16 rows, caches included, rotated two
     elements per 32-bit word (see :func:`_rotate_row`).
-    ``in_place``: the output is the input itself (q and k both, for the q+k kernels).
+    ``in_place``: which outputs are their inputs themselves, a sum of
+    :data:`X_IN_PLACE` (the input, or q for the q+k kernels) and :data:`K_IN_PLACE`.
     The kernel then reads and writes through the very same array, so that LLVM sees
     the same pointers and vectorizes; given two pointers it can only test at run time
     that they do not overlap, a test that fails when they are equal and falls back to
@@ -310,13 +311,15 @@ def _make_kernels(interleaved: bool, inverse: bool, contiguous: bool, in_place: 
     arithmetic.
     """
     sign = np.float32(-1.0 if inverse else 1.0)  # exact in every compute type
+    x_in_place = bool(in_place & X_IN_PLACE)
+    k_in_place = bool(in_place & K_IN_PLACE)
 
     # Each kernel picks its row path by the constant ``contiguous``: numba drops the
     # other branch before inlining it, so it costs no compile time.
 
     @njit(cache=True)
     def serial(x, cos, sin, positions, out, rotary_dim, check_overlap, tile, n_groups):
-        if in_place:
+        if x_in_place:
             out = x  # the same array, so that LLVM sees the same pointers (see above)
         status = _preflight(x, cos, sin, positions, out, check_overlap)
         if status != DONE:
@@ -357,7 +360,7 @@ def _make_kernels(interleaved: bool, inverse: bool, contiguous: bool, in_place: 
 
     @njit(parallel=True, cache=True)
     def parallel(x, cos, sin, positions, out, rotary_dim, check_overlap, tile, n_groups, n_chunks):
-        if in_place:
+        if x_in_place:
             out = x  # the same array, so that LLVM sees the same pointers (see above)
         status = _preflight(x, cos, sin, positions, out, check_overlap)
         if status != DONE:
@@ -403,8 +406,10 @@ def _make_kernels(interleaved: bool, inverse: bool, contiguous: bool, in_place: 
     def qk_serial(
         q, k, cos, sin, positions, out_q, out_k, rotary_dim, check_overlap, tile, n_groups
     ):
-        if in_place:
-            out_q, out_k = q, k  # the same arrays (see above)
+        if x_in_place:
+            out_q = q  # the same array (see above)
+        if k_in_place:
+            out_k = k
         status = _preflight_qk(q, k, cos, sin, positions, out_q, out_k, check_overlap)
         if status != DONE:
             return status
@@ -476,8 +481,10 @@ def _make_kernels(interleaved: bool, inverse: bool, contiguous: bool, in_place: 
     def qk_parallel(
         q, k, cos, sin, positions, out_q, out_k, rotary_dim, check_overlap, tile, n_groups, n_chunks
     ):
-        if in_place:
-            out_q, out_k = q, k  # the same arrays (see above)
+        if x_in_place:
+            out_q = q  # the same array (see above)
+        if k_in_place:
+            out_k = k
         status = _preflight_qk(q, k, cos, sin, positions, out_q, out_k, check_overlap)
         if status != DONE:
             return status
@@ -702,16 +709,20 @@ _parallel_lock = threading.Lock()
 _threading_layer_is_safe = False
 
 
+#: ``in_place`` flags of the kernels: the output is the input (or q) itself; k's is.
+X_IN_PLACE = 1
+K_IN_PLACE = 2
+
 #: Kernels by (interleaved, inverse, contiguous, in_place, words), made on first use.
-_kernel_sets: dict[tuple[bool, bool, bool, bool, bool], tuple] = {}
+_kernel_sets: dict[tuple[bool, bool, bool, int, bool], tuple] = {}
 
 
 def kernels(
-    interleaved: bool, inverse: bool, contiguous: bool, in_place: bool = False, words: bool = False
+    interleaved: bool, inverse: bool, contiguous: bool, in_place: int = 0, words: bool = False
 ) -> tuple:
     """``(serial, parallel, qk_serial, qk_parallel)`` for these options (see
     :func:`_make_kernels`; ``words`` only with ``contiguous``)."""
-    key = (interleaved, inverse, contiguous, in_place, contiguous and words)
+    key = (interleaved, inverse, contiguous, int(in_place), contiguous and words)
     found = _kernel_sets.get(key)
     if found is None:
         found = _kernel_sets[key] = _make_kernels(*key)
@@ -802,9 +813,10 @@ def _launch_cpu_qk(
     rotary_dim: int,
     inverse: bool,
     check_overlap: bool = True,
-    in_place: bool = False,
+    in_place: int = 0,
 ) -> int:
-    """As :func:`_launch_cpu`, for q and k in one pass (``in_place``: both)."""
+    """As :func:`_launch_cpu`, for q and k in one pass. ``in_place``: ``out_q`` is ``q``
+    (:data:`X_IN_PLACE`) and/or ``out_k`` is ``k`` (:data:`K_IN_PLACE`), summed."""
     contiguous, words = row_format(q, k, out_q, out_k, cos, sin)
     _, _, serial, parallel = kernels(interleaved, inverse, contiguous, in_place, words)
     batch, _, seq_len, _ = q.shape

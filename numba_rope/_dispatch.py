@@ -213,7 +213,7 @@ class CpuBackend:
         qs = (_storage(bhsd(q, layout, q_shape)), _storage(bhsd(result_q, layout, q_shape)))
         ks = (_storage(bhsd(k, layout, k_shape)), _storage(bhsd(result_k, layout, k_shape)))
         args = (_storage(cos), _storage(sin), positions)
-        in_place = out_q is q and out_k is k
+        in_place = _qk_in_place(q, k, out_q, out_k)
         status = _launch_qk(qs, ks, args, interleaved, rotary_dim, inverse, in_place=in_place)
         if status == _cpu.OVERLAP:
             if np.shares_memory(qs[1], ks[1]):
@@ -396,7 +396,7 @@ def cpu_plan_qk(call, q_shape, k_shape, q, k, cos, position_ids) -> Any:
             if not _INT64_MIN <= offset <= _INT64_MAX:
                 return None
             position_ids = offset  # the kernels take one offset as is
-        in_place = out_q is q and out_k is k
+        in_place = _qk_in_place(q, k, out_q, out_k)
         if out_q is None:
             out_q = np.empty(q_raw, dtype)
         elif not out_q.flags.writeable:
@@ -516,8 +516,13 @@ def _launch(
     )
 
 
+def _qk_in_place(q, k, out_q, out_k) -> int:
+    """The kernels' ``in_place`` flags: which of q and k are their own output."""
+    return (out_q is q) * _cpu.X_IN_PLACE + (out_k is k) * _cpu.K_IN_PLACE
+
+
 def _launch_qk(
-    qs, ks, args, interleaved, rotary_dim, inverse, check_overlap=True, in_place=False
+    qs, ks, args, interleaved, rotary_dim, inverse, check_overlap=True, in_place=0
 ) -> int:
     cos, sin, positions = args
     return _cpu._launch_cpu_qk(

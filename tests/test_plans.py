@@ -13,7 +13,7 @@ import pytest
 from oracles import BFLOAT16, assert_bitwise_equal, float32_contract, make_case
 
 import numba_rope
-from numba_rope import _dispatch
+from numba_rope import _cpu, _dispatch, config
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BFLOAT16]
 
@@ -188,3 +188,35 @@ def test_qk_plan_with_an_integer_offset_in_place_on_a_fused_buffer(rng):
         assert np.array_equal(qkv[..., 48:], v_before)
     with pytest.raises(IndexError):
         numba_rope.rotary_embedding_qk(q, k, cos, sin, position_offset=20, layout="bshd")
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("which", ["q", "k", "both", "neither"])
+def test_qk_with_one_of_q_and_k_in_place(rng, monkeypatch, which, parallel):
+    # A decode step that rotates q in place and writes k elsewhere (a KV-cache slot):
+    # the kernels read and write q through one array (their in-place flag), else
+    # LLVM's overlap test fails for equal pointers and takes the scalar loop. The
+    # flags reach the kernels on the plan path and on the general path alike.
+    if parallel:
+        monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 1)
+    requested = []
+    kernels = _cpu.kernels
+
+    def recording(*args):
+        requested.append(args[3])
+        return kernels(*args)
+
+    monkeypatch.setattr(_cpu, "kernels", recording)
+    _, cos, sin, ids = make_case(rng, (2, 4, 3, 16), BFLOAT16)
+    for _ in range(2):  # the second call runs the plan
+        q = rng.standard_normal((2, 4, 3, 16)).astype(BFLOAT16)
+        k = rng.standard_normal((2, 2, 3, 16)).astype(BFLOAT16)
+        expected_q, expected_k = (float32_contract(a, cos, sin, ids) for a in (q, k))
+        out_q = q if which in ("q", "both") else np.empty_like(q)
+        out_k = k if which in ("k", "both") else np.empty_like(k)
+        numba_rope.rotary_embedding_qk(q, k, cos, sin, ids, out_q=out_q, out_k=out_k)
+        assert_bitwise_equal(out_q, expected_q)
+        assert_bitwise_equal(out_k, expected_k)
+    flags = {"q": _cpu.X_IN_PLACE, "k": _cpu.K_IN_PLACE, "neither": 0}
+    flags["both"] = _cpu.X_IN_PLACE + _cpu.K_IN_PLACE
+    assert requested and set(requested) == {flags[which]}
