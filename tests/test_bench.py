@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from oracles import assert_bitwise_equal
 
 import numba_rope
 from numba_rope import _bench, _cli, reference
@@ -387,6 +388,13 @@ def test_asv_benchmarks_run_on_the_cpu_and_skip_cuda_without_a_gpu():
     timed.setup(*args)
     timed.time_rope_out(*args)
     timed.time_rope_alloc(*args)
+    timed.time_rope_in_place(*args)  # one rotation of the input, in place
+    assert_bitwise_equal(timed.work, timed.out)
+    timed.time_rope_qk_q_in_place(*args)
+    _, cos, sin, ids = timed.arguments
+    assert timed.k.shape[1] == 2  # a quarter of the 8 heads
+    want_k = numba_rope.rotary_embedding(timed.k, cos, sin, ids, **timed.options)
+    assert_bitwise_equal(timed.k_out, want_k)
     memory = suite.Memory()
     memory.setup(*args)
     memory.peakmem_rope_alloc(*args)

@@ -10,6 +10,8 @@ where no GPU is present or where the installed numba_rope does not accept device
 arrays; ``numba.cuda`` is imported only for them. Every timed GPU call synchronizes.
 """
 
+import numpy as np
+
 import numba_rope
 from numba_rope import _bench
 
@@ -57,13 +59,48 @@ class _Rope:
 
 
 class Time(_Rope):
-    """Wall time of one call: into a preallocated ``out``, and allocating the result."""
+    """Wall time of one call: into a preallocated ``out``, allocating the result, in
+    place (``out`` is the input), and ``rotary_embedding_qk`` with q in place and k (a
+    quarter of the heads, at least one) written elsewhere, as a decode step writes k
+    into its KV cache. In place has its own kernel path (a regression there once cost
+    4-15x unseen by the ``out=`` timings)."""
+
+    def setup(self, device, dtype, workload):
+        super().setup(device, dtype, workload)
+        put, host = self.target.put, self.case.input
+        self.k = put(np.ascontiguousarray(host[:, : max(1, host.shape[1] // 4)]))
+        self.k_out = self.target.empty_like(self.k)
+        self.work = put(host)
+        self.rope_in_place()  # compile (or load) the in-place kernels here, not timed
+        self.rope_qk_q_in_place()
+        self.work = put(host)  # and start again from the input
+
+    def rope_in_place(self):
+        numba_rope.rotary_embedding(self.work, *self.arguments[1:], out=self.work, **self.options)
+        self.target.synchronize()
+
+    def rope_qk_q_in_place(self):
+        numba_rope.rotary_embedding_qk(
+            self.work,
+            self.k,
+            *self.arguments[1:],
+            out_q=self.work,
+            out_k=self.k_out,
+            **self.options,
+        )
+        self.target.synchronize()
 
     def time_rope_out(self, device, dtype, workload):
         self.rope_out()
 
     def time_rope_alloc(self, device, dtype, workload):
         self.rope_alloc()
+
+    def time_rope_in_place(self, device, dtype, workload):
+        self.rope_in_place()
+
+    def time_rope_qk_q_in_place(self, device, dtype, workload):
+        self.rope_qk_q_in_place()
 
 
 class Memory(_Rope):
