@@ -36,45 +36,66 @@ BFLOAT16_STORAGE = np.dtype(np.int16)
 _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
 
+# The conversions below take scalars or LLVM vectors alike (the streaming kernels of
+# numba_rope._cpu convert eight elements at a time): a type or constant is made in the
+# shape of the value it goes with.
+
+
+def _shaped(value, scalar_type):
+    """``scalar_type``, or a vector of it as long as ``value`` if that is a vector."""
+    if isinstance(value.type, ir.VectorType):
+        return ir.VectorType(scalar_type, value.type.count)
+    return scalar_type
+
+
+def _constant(value, number):
+    """The 32-bit integer ``number`` in the shape of ``value``."""
+    shaped = _shaped(value, _I32)
+    if isinstance(shaped, ir.VectorType):
+        return ir.Constant(shaped, [number] * shaped.count)
+    return ir.Constant(shaped, number)
+
 
 def _float16_to_float32(builder, bits):
-    return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
+    half = builder.bitcast(bits, _shaped(bits, ir.HalfType()))
+    return builder.fpext(half, _shaped(bits, ir.FloatType()))
 
 
 def _float32_to_float16(builder, value):
-    return builder.bitcast(builder.fptrunc(value, ir.HalfType()), _I16)
+    half = builder.fptrunc(value, _shaped(value, ir.HalfType()))
+    return builder.bitcast(half, _shaped(value, _I16))
 
 
 def _bfloat16_to_float32(builder, bits):
-    wide = builder.shl(builder.zext(bits, _I32), ir.Constant(_I32, 16))
-    return builder.bitcast(wide, ir.FloatType())
+    wide = builder.zext(bits, _shaped(bits, _I32))
+    return builder.bitcast(builder.shl(wide, _constant(bits, 16)), _shaped(bits, ir.FloatType()))
 
 
 def _bfloat16_rounded_bits(builder, value):
     """The bits of float32 ``value`` rounded to bfloat16 in their upper 16 bits (the
     lower 16 are garbage). ``value`` must be the result of arithmetic, so that a NaN
     is a quiet one (IEEE 754 arithmetic never returns a signaling NaN)."""
-    bits = builder.bitcast(value, _I32)
+    bits = builder.bitcast(value, _shaped(value, _I32))
     # A quiet NaN becomes the canonical quiet NaN of its sign before rounding (rounding
     # a NaN's bits could carry into the sign). Quiet NaNs are the largest patterns of
     # each sign: as signed integers the positive ones lie above 0x7FC00000, as unsigned
     # integers the negative ones lie above 0xFFC00000, and every other value lies below
     # both bounds. Two minimums (vpminsd, vpminud) canonicalize them, where a test and a
     # blend take four instructions.
-    positive_nan = ir.Constant(_I32, 0x7FC00000)
-    negative_nan = ir.Constant(_I32, 0xFFC00000)
+    positive_nan = _constant(value, 0x7FC00000)
+    negative_nan = _constant(value, 0xFFC00000)
     bits = builder.select(builder.icmp_signed(">", bits, positive_nan), positive_nan, bits)
     bits = builder.select(builder.icmp_unsigned(">", bits, negative_nan), negative_nan, bits)
     # Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit.
-    lowest_kept = builder.and_(builder.lshr(bits, ir.Constant(_I32, 16)), ir.Constant(_I32, 1))
-    return builder.add(bits, builder.add(ir.Constant(_I32, 0x7FFF), lowest_kept))
+    lowest_kept = builder.and_(builder.lshr(bits, _constant(value, 16)), _constant(value, 1))
+    return builder.add(bits, builder.add(_constant(value, 0x7FFF), lowest_kept))
 
 
 def _float32_to_bfloat16(builder, value):
     # Everything stays 32 bits wide until the final truncation, so the vectorized loop
     # packs to 16 bits only once.
-    rounded = builder.lshr(_bfloat16_rounded_bits(builder, value), ir.Constant(_I32, 16))
-    return builder.trunc(rounded, _I16)
+    rounded = builder.lshr(_bfloat16_rounded_bits(builder, value), _constant(value, 16))
+    return builder.trunc(rounded, _shaped(value, _I16))
 
 
 #: Per storage type: (widening, narrowing) of a 16-bit format.
@@ -82,6 +103,22 @@ _HALF_FORMATS = {
     types.uint16: (_float16_to_float32, _float32_to_float16),
     types.int16: (_bfloat16_to_float32, _float32_to_bfloat16),
 }
+
+
+def widen_code(builder, numba_type, value):
+    """LLVM code of :func:`widen` for a stored value (scalar or vector) of ``numba_type``
+    (a 16-bit storage type, float32 or float64)."""
+    if numba_type in _HALF_FORMATS:
+        return _HALF_FORMATS[numba_type][0](builder, value)
+    return value
+
+
+def narrow_code(builder, numba_type, value):
+    """LLVM code of :func:`narrow_like` for a float32 (or float64 into float64) value,
+    scalar or vector, into elements of ``numba_type``."""
+    if numba_type in _HALF_FORMATS:
+        return _HALF_FORMATS[numba_type][1](builder, value)
+    return value
 
 
 @intrinsic

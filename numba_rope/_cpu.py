@@ -28,8 +28,10 @@ from numba_rope._conversions import (
     bfloat16_high,
     bfloat16_low,
     bfloat16_pair,
+    narrow_code,
     narrow_like,
     widen,
+    widen_code,
 )
 from numba_rope._rotation import rotate_pair
 
@@ -123,19 +125,100 @@ def _words(typingctx, array, byte_offset, length):
     return _WORDS(array, byte_offset, length), _view_codegen(_WORDS)
 
 
+#: Elements per vector of the streaming loop; its stores need 16-byte alignment.
+STREAM_WIDTH = 8
+STREAM_ALIGNMENT = 16
+
+#: Storage types the streaming loop takes (float32 and the 16-bit formats).
+_STREAM_TYPES = (types.float32, types.uint16, types.int16)
+
+
+@intrinsic
+def _stream_pairs(typingctx, x_row, cos_row, sin_row, out_row, half, sign):
+    """Rotate the first ``n`` pairs of a row of ``half`` non-interleaved pairs, ``n`` =
+    ``half`` rounded down to a multiple of :data:`STREAM_WIDTH`, and return ``n``.
+
+    Written in LLVM vectors of :data:`STREAM_WIDTH` elements so that the stores can be
+    non-temporal: the output goes to memory without first being read into the cache
+    (a third of the memory traffic of a large RoPE), which LLVM's loop vectorizer does
+    not do for stores of unknown alignment. The caller guarantees that the output row
+    and its second half start on :data:`STREAM_ALIGNMENT` bytes (see
+    :func:`streaming`). Loads have no alignment requirement. The arithmetic is
+    :func:`numba_rope._rotation.rotate_pair`'s, one rounding per operation, no
+    contraction: the results are bit for bit those of the element loop.
+    """
+    rows = (x_row, cos_row, sin_row, out_row)
+    if not all(isinstance(row, types.Array) and row.dtype in _STREAM_TYPES for row in rows):
+        return None
+    if x_row.dtype != out_row.dtype or cos_row.dtype != sin_row.dtype:
+        return None
+
+    def codegen(context, builder, signature, args):
+        arrays = [
+            context.make_array(kind)(context, builder, value)
+            for kind, value in zip(signature.args[:4], args[:4], strict=True)
+        ]
+        x, cos, sin, out = arrays
+        x_type, cache_type = signature.args[0].dtype, signature.args[1].dtype
+        intp = context.get_value_type(types.intp)
+        half = context.cast(builder, args[4], signature.args[4], types.intp)
+        sign_value = context.cast(builder, args[5], signature.args[5], types.float32)
+        floats = ir.VectorType(ir.FloatType(), STREAM_WIDTH)
+        sign = ir.Constant(floats, ir.Undefined)
+        for lane in range(STREAM_WIDTH):
+            sign = builder.insert_element(sign, sign_value, ir.Constant(ir.IntType(32), lane))
+        count = builder.and_(half, ir.Constant(intp, -STREAM_WIDTH))
+        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+
+        def vector_pointer(array, index):
+            element = array.data.type.pointee
+            pointer = builder.gep(array.data, [index])
+            return builder.bitcast(pointer, ir.VectorType(element, STREAM_WIDTH).as_pointer())
+
+        def load(array, index, numba_type):
+            value = builder.load(vector_pointer(array, index), align=numba_type.bitwidth // 8)
+            return widen_code(builder, numba_type, value)
+
+        def store(value, index):
+            stored = builder.store(narrow_code(builder, x_type, value), vector_pointer(out, index))
+            stored.align = STREAM_ALIGNMENT
+            stored.set_metadata("nontemporal", nontemporal)
+
+        zero = ir.Constant(intp, 0)
+        step = ir.Constant(intp, STREAM_WIDTH)
+        with cgutils.for_range_slice(builder, zero, count, step, intp) as (first, _):
+            second = builder.add(first, half)
+            x1, x2 = load(x, first, x_type), load(x, second, x_type)
+            c, s = load(cos, first, cache_type), load(sin, first, cache_type)
+            s = builder.fmul(s, sign)
+            store(builder.fsub(builder.fmul(x1, c), builder.fmul(x2, s)), first)
+            store(builder.fadd(builder.fmul(x2, c), builder.fmul(x1, s)), second)
+        return count
+
+    return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
+
+
 @njit(cache=True, inline="always")
-def _rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign, words):
+def _rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign, words, streaming):
     """Rotate one row. Each pair is read before either of its elements is written, so
     ``out_row`` may be ``x_row``. ``words``: the rows are bfloat16 rows, caches
     included, taken two elements per 32-bit word (see :mod:`numba_rope._conversions`;
     the same arithmetic per element, a quarter fewer instructions).
 
-    Inlined into kernels where ``interleaved``, ``sign`` and ``words`` are constants,
+    ``streaming`` (non-interleaved rows only): the pairs go
+    :data:`STREAM_WIDTH` at a time through :func:`_stream_pairs` (non-temporal stores)
+    and the few left over through the element loop.
+
+    Inlined into kernels where the options are constants,
     so that only the loop in use is compiled and a ``sign`` of +1 costs nothing. The
     indices are unsigned: numba then emits no negative-index wrap-around, which would
     keep these loops from vectorizing.
     """
     half = rotary_dim // 2
+    if streaming:
+        first = _stream_pairs(x_row, cos_row, sin_row, out_row, half, sign)
+    else:
+        first = 0
     if words and interleaved:
         # Word i holds pair i: (x1, x2) in, (y1, y2) out.
         x = _words(x_row, 0, half)
@@ -188,7 +271,7 @@ def _rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign,
             out_row[i1] = narrow_like(y1, out_row)
             out_row[i2] = narrow_like(y2, out_row)
     else:
-        for pair in range(half):
+        for pair in range(first, half):
             i = np.uint64(pair)
             i2 = np.uint64(pair + half)
             y1, y2 = rotate_pair(
@@ -234,7 +317,20 @@ def _unit_bounds(unit, seq_len, num_heads, tile, n_groups):
 
 @njit(cache=True, inline="always")
 def _contiguous_units(
-    x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups, interleaved, sign, words
+    x,
+    cos,
+    sin,
+    positions,
+    out,
+    rotary_dim,
+    first,
+    end,
+    tile,
+    n_groups,
+    interleaved,
+    sign,
+    words,
+    streaming,
 ):
     """Rotate units ``first <= u < end`` (see :func:`_make_kernels`) whose rows are all
     contiguous: as C-contiguous arrays over raw pointers, which LLVM vectorizes fully
@@ -257,6 +353,7 @@ def _contiguous_units(
                     rotary_dim,
                     sign,
                     words,
+                    streaming,
                 )
 
 
@@ -280,10 +377,18 @@ def _strided_units(
                     rotary_dim,
                     sign,
                     False,
+                    False,
                 )
 
 
-def _make_kernels(interleaved: bool, inverse: bool, contiguous: bool, in_place: int, words: bool):
+def _make_kernels(
+    interleaved: bool,
+    inverse: bool,
+    contiguous: bool,
+    in_place: int,
+    words: bool,
+    streaming: bool,
+):
     """The CPU kernels for one choice of options, compiled in as constants: each call
     compiles only the code it runs.
 
@@ -294,6 +399,8 @@ def _make_kernels(interleaved: bool, inverse: bool, contiguous: bool, in_place: 
     they are slices (slower: each slice updates a shared reference count).
     ``words``: the rows are contiguous bfloat16 rows, caches included, rotated two
     elements per 32-bit word (see :func:`_rotate_row`).
+    ``streaming``: contiguous, non-interleaved rows whose output is written with
+    non-temporal stores (see :func:`_stream_pairs` and :func:`streaming`).
     ``in_place``: which outputs are their inputs themselves, a sum of
     :data:`X_IN_PLACE` (the input, or q for the q+k kernels) and :data:`K_IN_PLACE`.
     The kernel then reads and writes through the very same array, so that LLVM sees
@@ -340,6 +447,7 @@ def _make_kernels(interleaved: bool, inverse: bool, contiguous: bool, in_place: 
                 interleaved,
                 sign,
                 words,
+                streaming,
             )
         else:
             _strided_units(
@@ -384,6 +492,7 @@ def _make_kernels(interleaved: bool, inverse: bool, contiguous: bool, in_place: 
                     interleaved,
                     sign,
                     words,
+                    streaming,
                 )
             else:
                 _strided_units(
@@ -430,6 +539,7 @@ def _make_kernels(interleaved: bool, inverse: bool, contiguous: bool, in_place: 
                     interleaved,
                     sign,
                     words,
+                    streaming,
                 )
                 _contiguous_units(
                     k,
@@ -445,6 +555,7 @@ def _make_kernels(interleaved: bool, inverse: bool, contiguous: bool, in_place: 
                     interleaved,
                     sign,
                     words,
+                    streaming,
                 )
             else:
                 _strided_units(
@@ -506,6 +617,7 @@ def _make_kernels(interleaved: bool, inverse: bool, contiguous: bool, in_place: 
                         interleaved,
                         sign,
                         words,
+                        streaming,
                     )
                     _contiguous_units(
                         k,
@@ -521,6 +633,7 @@ def _make_kernels(interleaved: bool, inverse: bool, contiguous: bool, in_place: 
                         interleaved,
                         sign,
                         words,
+                        streaming,
                     )
                 else:
                     _strided_units(
@@ -713,20 +826,46 @@ _threading_layer_is_safe = False
 X_IN_PLACE = 1
 K_IN_PLACE = 2
 
-#: Kernels by (interleaved, inverse, contiguous, in_place, words), made on first use.
-_kernel_sets: dict[tuple[bool, bool, bool, int, bool], tuple] = {}
+#: Kernels by (interleaved, inverse, contiguous, in_place, words, streaming), made on
+#: first use.
+_kernel_sets: dict[tuple[bool, bool, bool, int, bool, bool], tuple] = {}
 
 
 def kernels(
-    interleaved: bool, inverse: bool, contiguous: bool, in_place: int = 0, words: bool = False
+    interleaved: bool,
+    inverse: bool,
+    contiguous: bool,
+    in_place: int = 0,
+    words: bool = False,
+    streaming: bool = False,
 ) -> tuple:
     """``(serial, parallel, qk_serial, qk_parallel)`` for these options (see
-    :func:`_make_kernels`; ``words`` only with ``contiguous``)."""
-    key = (interleaved, inverse, contiguous, int(in_place), contiguous and words)
+    :func:`_make_kernels`; ``words`` and ``streaming`` only with ``contiguous``,
+    ``streaming`` only without ``interleaved``, and then instead of ``words``)."""
+    streaming = streaming and contiguous and not interleaved
+    words = words and contiguous and not streaming
+    key = (interleaved, inverse, contiguous, int(in_place), words, streaming)
     found = _kernel_sets.get(key)
     if found is None:
         found = _kernel_sets[key] = _make_kernels(*key)
     return found
+
+
+def streaming(rotary_dim: int, interleaved: bool, *outs) -> bool:
+    """Whether the kernels write these outputs (storage views, BHSD) with non-temporal
+    stores: non-interleaved pairs, outputs of at least ``config.STREAMING_MIN_BYTES``
+    together, float32 or 16-bit elements, and every row and its second half starting on
+    :data:`STREAM_ALIGNMENT` bytes (which :func:`_stream_pairs` needs)."""
+    if interleaved or sum(out.nbytes for out in outs) < config.STREAMING_MIN_BYTES:
+        return False
+    for out in outs:
+        if out.itemsize > 4 or (rotary_dim // 2 * out.itemsize) % STREAM_ALIGNMENT:
+            return False
+        if out.ctypes.data % STREAM_ALIGNMENT:
+            return False
+        if any(stride % STREAM_ALIGNMENT for stride in out.strides[:-1]):
+            return False
+    return True
 
 
 def row_format(*arrays) -> tuple[bool, bool]:
@@ -791,7 +930,8 @@ def _launch_cpu(
     nothing is written unless it returns DONE.
     """
     contiguous, words = row_format(x, out, cos, sin)
-    serial, parallel, _, _ = kernels(interleaved, inverse, contiguous, in_place, words)
+    stream = streaming(rotary_dim, interleaved, out)
+    serial, parallel, _, _ = kernels(interleaved, inverse, contiguous, in_place, words, stream)
     batch, num_heads, seq_len, _ = x.shape
     in_parallel = _parallel(x.size)
     tile, n_groups, n_chunks = work_split(batch, num_heads, seq_len, in_parallel)
@@ -818,7 +958,8 @@ def _launch_cpu_qk(
     """As :func:`_launch_cpu`, for q and k in one pass. ``in_place``: ``out_q`` is ``q``
     (:data:`X_IN_PLACE`) and/or ``out_k`` is ``k`` (:data:`K_IN_PLACE`), summed."""
     contiguous, words = row_format(q, k, out_q, out_k, cos, sin)
-    _, _, serial, parallel = kernels(interleaved, inverse, contiguous, in_place, words)
+    stream = streaming(rotary_dim, interleaved, out_q, out_k)
+    _, _, serial, parallel = kernels(interleaved, inverse, contiguous, in_place, words, stream)
     batch, _, seq_len, _ = q.shape
     in_parallel = _parallel(q.size + k.size)
     heads = max(q.shape[1], k.shape[1])

@@ -1,0 +1,150 @@
+"""Large outputs written with non-temporal stores (``_cpu._stream_pairs``): the same
+bits as the element loop, and only where the stores' alignment holds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from oracles import BFLOAT16, assert_bitwise_equal, float32_contract, make_case
+
+import numba_rope
+from numba_rope import _cpu, _dispatch, config
+
+STREAMED = [np.dtype(np.float32), np.dtype(np.float16), BFLOAT16]
+
+
+def aligned(shape, dtype, offset=0):
+    """An empty array whose data starts ``offset`` bytes past a 64-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    buffer = np.empty(nbytes + 128 + offset, np.uint8)
+    start = -buffer.ctypes.data % 64 + offset
+    return buffer[start : start + nbytes].view(dtype).reshape(shape)
+
+
+@pytest.fixture
+def stream_always(monkeypatch):
+    """Every eligible output streams, however small; calls never take a plan (plans run
+    small inputs, which never stream), and the kernel options asked for are recorded."""
+    monkeypatch.setattr(config, "STREAMING_MIN_BYTES", 0)
+    monkeypatch.setattr(_dispatch, "CPU_PLANS", {})
+    monkeypatch.setattr(_dispatch, "remember_plan", lambda key, plan: None)
+    requested = []
+    kernels = _cpu.kernels
+
+    def recording(*args):
+        requested.append(args)
+        return kernels(*args)
+
+    monkeypatch.setattr(_cpu, "kernels", recording)
+    return requested
+
+
+def _streamed(requested):
+    return [options[5] and options[2] and not options[0] for options in requested]
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("dtype", STREAMED, ids=[d.name for d in STREAMED])
+@pytest.mark.parametrize(
+    ("head_size", "rotary_dim"),
+    [(128, 128), (64, 48), (24, 24), (32, 16)],
+    ids=["full", "partial", "half-12", "half-8"],
+)
+def test_streamed_rows_give_the_contract_bits(
+    rng, monkeypatch, stream_always, dtype, head_size, rotary_dim, parallel
+):
+    # Pairs 8 at a time with non-temporal stores, those left over (float32 half 12:
+    # 8 + 4) and the channels past rotary_dim through the element loop. 16-bit rows
+    # with half 12 have their second half 24 bytes in: they take the element loop.
+    if parallel:
+        monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 0)
+    half = rotary_dim // 2
+    streams = (half * dtype.itemsize) % _cpu.STREAM_ALIGNMENT == 0
+    shape = (2, 3, 5, head_size)
+    x, cos, sin, ids = make_case(rng, shape, dtype, rotary_dim=rotary_dim)
+    options = {"rotary_embedding_dim": rotary_dim}
+    want = float32_contract(x, cos, sin, ids, False, rotary_dim)
+    out = aligned(shape, dtype)
+    assert numba_rope.rotary_embedding(x, cos, sin, ids, out=out, **options) is out
+    assert_bitwise_equal(out, want)
+    allocated = numba_rope.rotary_embedding(x, cos, sin, ids, **options)
+    assert_bitwise_equal(allocated, want)
+    inverse = numba_rope.rotary_embedding(out, cos, sin, ids, inverse=True, **options)
+    assert_bitwise_equal(inverse, float32_contract(out, cos, -sin, ids, False, rotary_dim))
+    in_place = aligned(shape, dtype)
+    in_place[...] = x
+    numba_rope.rotary_embedding(in_place, cos, sin, ids, out=in_place, **options)
+    assert_bitwise_equal(in_place, want)
+    k = rng.standard_normal((2, 1, 5, head_size)).astype(dtype)
+    got_q, got_k = numba_rope.rotary_embedding_qk(
+        x, k, cos, sin, ids, out_q=aligned(shape, dtype), out_k=aligned(k.shape, dtype), **options
+    )
+    assert_bitwise_equal(got_q, want)
+    assert_bitwise_equal(got_k, float32_contract(k, cos, sin, ids, False, rotary_dim))
+    assert _streamed(stream_always) == [streams] * len(stream_always)
+    assert len(stream_always) >= 5
+
+
+def test_streamed_rows_with_float32_caches_and_no_position_ids(rng, stream_always):
+    for dtype in (np.float16, BFLOAT16):
+        x, cos, sin, _ = make_case(
+            rng, (2, 2, 3, 32), dtype, position_ids=False, cache_dtype=np.float32
+        )
+        got = numba_rope.rotary_embedding(x, cos, sin, out=aligned(x.shape, x.dtype))
+        assert_bitwise_equal(got, float32_contract(x, cos, sin))
+    assert all(_streamed(stream_always))
+
+
+def test_streamed_special_values(stream_always):
+    # NaN, infinities, overflow and signaling NaNs through the vector conversions.
+    values = np.array([np.nan, np.inf, -np.inf, 1.0, 0.0, -2.5, 3e38, np.inf], np.float64)
+    for dtype in STREAMED:
+        with np.errstate(over="ignore"):  # 3e38 is infinite in float16: data here
+            x = np.resize(values, (1, 1, 2, 16)).astype(dtype)
+            cos = np.resize(np.array([0.5, 1.0, np.nan, 0.0, 3e38]), (1, 8)).astype(dtype)
+            sin = np.resize(np.array([0.25, 0.0, 1.0, np.inf, 3e38]), (1, 8)).astype(dtype)
+        if dtype == BFLOAT16:
+            x.view(np.uint16)[0, 0, 1, :3] = (0x7F81, 0xFFA0, 0x7FBF)
+        ids = np.zeros((1, 2), np.int64)
+        got = numba_rope.rotary_embedding(x, cos, sin, ids, out=aligned(x.shape, dtype))
+        assert_bitwise_equal(got, float32_contract(x, cos, sin, ids))
+        assert np.isnan(got.astype(np.float32)).any() and np.isinf(got.astype(np.float32)).any()
+    assert all(_streamed(stream_always))
+
+
+def test_what_streams(monkeypatch):
+    monkeypatch.setattr(config, "STREAMING_MIN_BYTES", 1 << 12)
+    big = aligned((1, 4, 8, 64), np.float32)  # 8 KiB
+    assert _cpu.streaming(64, False, big)
+    assert _cpu.streaming(32, False, big)  # partial: half 16 floats
+    assert not _cpu.streaming(64, True, big)  # interleaved pairs: the element loop
+    assert not _cpu.streaming(64, False, big[:, :1, :2])  # 512 bytes: too small
+    assert _cpu.streaming(64, False, big[:, :1, :2], big)  # q and k count together
+    assert not _cpu.streaming(2, False, big)  # second half 4 bytes in
+    assert not _cpu.streaming(64, False, aligned((1, 4, 8, 64), np.float32, offset=4))
+    assert not _cpu.streaming(64, False, aligned((1, 4, 8, 64), np.float64))
+    assert not _cpu.streaming(60, False, aligned((1, 4, 8, 60), np.float32))  # rows 240 B
+    uint16 = aligned((1, 4, 16, 80), np.uint16)  # 16-bit storage: rows of 160 bytes
+    assert _cpu.streaming(80, False, uint16)
+    assert not _cpu.streaming(72, False, uint16[..., :72])  # second half 72 bytes in
+    assert not _cpu.streaming(64, False, uint16[..., 1:65])  # rows start 2 bytes in
+    assert not _cpu.streaming(8, False, uint16)  # second half 8 bytes in
+    monkeypatch.setattr(config, "STREAMING_MIN_BYTES", 1 << 30)
+    assert not _cpu.streaming(64, False, big)
+
+
+def test_large_default_call_streams_and_small_one_does_not(rng, monkeypatch):
+    # With the default threshold: a 16 MiB float16 output streams, a small one does not.
+    requested = []
+    kernels = _cpu.kernels
+    monkeypatch.setattr(_cpu, "kernels", lambda *args: requested.append(args) or kernels(*args))
+    x, cos, sin, ids = make_case(rng, (1, 16, 4096, 128), np.float16, n_positions=4096)
+    assert x.nbytes == config.STREAMING_MIN_BYTES
+    got = numba_rope.rotary_embedding(x, cos, sin, ids)
+    assert_bitwise_equal(got[:, :, :64], float32_contract(x[:, :, :64], cos, sin, ids[:, :64]))
+    assert_bitwise_equal(got[:, -2:], float32_contract(x[:, -2:], cos, sin, ids))
+    assert _streamed(requested) == [True]
+    requested.clear()
+    numba_rope.rotary_embedding(x[:, :, :64], cos, sin, ids[:, :64])
+    assert _streamed(requested) == [False]
