@@ -125,12 +125,91 @@ def _words(typingctx, array, byte_offset, length):
     return _WORDS(array, byte_offset, length), _view_codegen(_WORDS)
 
 
-#: Elements per vector of the streaming loop; its stores need 16-byte alignment.
+#: Pairs per step of the streaming loops; their stores need 16-byte alignment.
 STREAM_WIDTH = 8
 STREAM_ALIGNMENT = 16
 
-#: Storage types the streaming loop takes (float32 and the 16-bit formats).
+#: Storage types the streaming loops take (float32 and the 16-bit formats).
 _STREAM_TYPES = (types.float32, types.uint16, types.int16)
+
+_LANE = ir.IntType(32)
+
+
+class _Stream:
+    """LLVM code shared by the streaming intrinsics: vectors of :data:`STREAM_WIDTH`
+    (or twice that) elements loaded from rows, and non-temporal stores into them."""
+
+    def __init__(self, context, builder):
+        self.builder = builder
+        self.intp = context.get_value_type(types.intp)
+        self.nontemporal = builder.module.add_metadata([ir.Constant(_LANE, 1)])
+
+    def pointer(self, array, index, lanes):
+        element = array.data.type.pointee
+        pointer = self.builder.gep(array.data, [index])
+        return self.builder.bitcast(pointer, ir.VectorType(element, lanes).as_pointer())
+
+    def load(self, array, index, numba_type, lanes=STREAM_WIDTH):
+        loaded = self.builder.load(
+            self.pointer(array, index, lanes), align=numba_type.bitwidth // 8
+        )
+        return widen_code(self.builder, numba_type, loaded)
+
+    def store(self, value, array, index, numba_type, lanes=STREAM_WIDTH):
+        stored = self.builder.store(
+            narrow_code(self.builder, numba_type, value), self.pointer(array, index, lanes)
+        )
+        stored.align = STREAM_ALIGNMENT
+        stored.set_metadata("nontemporal", self.nontemporal)
+
+    def splat(self, value):
+        vector = ir.Constant(ir.VectorType(value.type, STREAM_WIDTH), ir.Undefined)
+        for lane in range(STREAM_WIDTH):
+            vector = self.builder.insert_element(vector, value, ir.Constant(_LANE, lane))
+        return vector
+
+    def shuffle(self, first, second, lanes):
+        mask = ir.Constant(ir.VectorType(_LANE, len(lanes)), lanes)
+        return self.builder.shuffle_vector(first, second, mask)
+
+    def loop(self, start, count, step):
+        """``for_range_slice`` over ``[start, start + count)`` by ``step``."""
+        end = self.builder.add(start, count)
+        return cgutils.for_range_slice(
+            self.builder, start, end, ir.Constant(self.intp, step), self.intp
+        )
+
+    def steps(self, length):
+        """``length`` rounded down to a multiple of :data:`STREAM_WIDTH`."""
+        return self.builder.and_(length, ir.Constant(self.intp, -STREAM_WIDTH))
+
+    def rotate(self, x1, x2, cos, sin, sign):
+        """``rotate_pair`` on vectors: one rounding per operation, no contraction."""
+        builder = self.builder
+        sin = builder.fmul(sin, self.splat(sign))
+        return (
+            builder.fsub(builder.fmul(x1, cos), builder.fmul(x2, sin)),
+            builder.fadd(builder.fmul(x2, cos), builder.fmul(x1, sin)),
+        )
+
+
+def _stream_typing(x_row, cos_row, sin_row, out_row):
+    rows = (x_row, cos_row, sin_row, out_row)
+    return (
+        all(isinstance(row, types.Array) and row.dtype in _STREAM_TYPES for row in rows)
+        and x_row.dtype == out_row.dtype
+        and cos_row.dtype == sin_row.dtype
+    )
+
+
+def _stream_arguments(context, builder, signature, args):
+    rows = [
+        context.make_array(kind)(context, builder, value)
+        for kind, value in zip(signature.args[:4], args[:4], strict=True)
+    ]
+    half = context.cast(builder, args[4], signature.args[4], types.intp)
+    sign = context.cast(builder, args[5], signature.args[5], types.float32)
+    return rows, signature.args[0].dtype, signature.args[1].dtype, half, sign
 
 
 @intrinsic
@@ -138,64 +217,103 @@ def _stream_pairs(typingctx, x_row, cos_row, sin_row, out_row, half, sign):
     """Rotate the first ``n`` pairs of a row of ``half`` non-interleaved pairs, ``n`` =
     ``half`` rounded down to a multiple of :data:`STREAM_WIDTH`, and return ``n``.
 
-    Written in LLVM vectors of :data:`STREAM_WIDTH` elements so that the stores can be
-    non-temporal: the output goes to memory without first being read into the cache
-    (a third of the memory traffic of a large RoPE), which LLVM's loop vectorizer does
-    not do for stores of unknown alignment. The caller guarantees that the output row
-    and its second half start on :data:`STREAM_ALIGNMENT` bytes (see
-    :func:`streaming`). Loads have no alignment requirement. The arithmetic is
-    :func:`numba_rope._rotation.rotate_pair`'s, one rounding per operation, no
-    contraction: the results are bit for bit those of the element loop.
+    Written in LLVM vectors so that the stores can be non-temporal: the output goes to
+    memory without first being read into the cache (a third of the memory traffic of
+    a large RoPE), which LLVM's loop vectorizer does not do for stores of unknown
+    alignment. The caller guarantees that the output row and its second half start
+    on :data:`STREAM_ALIGNMENT` bytes (see :func:`streaming`); loads need no
+    alignment. The arithmetic is :func:`numba_rope._rotation.rotate_pair`'s, one
+    rounding per operation, no contraction: the bits of the element loop.
     """
-    rows = (x_row, cos_row, sin_row, out_row)
-    if not all(isinstance(row, types.Array) and row.dtype in _STREAM_TYPES for row in rows):
-        return None
-    if x_row.dtype != out_row.dtype or cos_row.dtype != sin_row.dtype:
+    if not _stream_typing(x_row, cos_row, sin_row, out_row):
         return None
 
     def codegen(context, builder, signature, args):
-        arrays = [
-            context.make_array(kind)(context, builder, value)
-            for kind, value in zip(signature.args[:4], args[:4], strict=True)
-        ]
-        x, cos, sin, out = arrays
-        x_type, cache_type = signature.args[0].dtype, signature.args[1].dtype
-        intp = context.get_value_type(types.intp)
-        half = context.cast(builder, args[4], signature.args[4], types.intp)
-        sign_value = context.cast(builder, args[5], signature.args[5], types.float32)
-        floats = ir.VectorType(ir.FloatType(), STREAM_WIDTH)
-        sign = ir.Constant(floats, ir.Undefined)
-        for lane in range(STREAM_WIDTH):
-            sign = builder.insert_element(sign, sign_value, ir.Constant(ir.IntType(32), lane))
-        count = builder.and_(half, ir.Constant(intp, -STREAM_WIDTH))
-        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-
-        def vector_pointer(array, index):
-            element = array.data.type.pointee
-            pointer = builder.gep(array.data, [index])
-            return builder.bitcast(pointer, ir.VectorType(element, STREAM_WIDTH).as_pointer())
-
-        def load(array, index, numba_type):
-            value = builder.load(vector_pointer(array, index), align=numba_type.bitwidth // 8)
-            return widen_code(builder, numba_type, value)
-
-        def store(value, index):
-            stored = builder.store(narrow_code(builder, x_type, value), vector_pointer(out, index))
-            stored.align = STREAM_ALIGNMENT
-            stored.set_metadata("nontemporal", nontemporal)
-
-        zero = ir.Constant(intp, 0)
-        step = ir.Constant(intp, STREAM_WIDTH)
-        with cgutils.for_range_slice(builder, zero, count, step, intp) as (first, _):
+        (x, cos, sin, out), x_type, cache_type, half, sign = _stream_arguments(
+            context, builder, signature, args
+        )
+        stream = _Stream(context, builder)
+        count = stream.steps(half)
+        with stream.loop(ir.Constant(stream.intp, 0), count, STREAM_WIDTH) as (first, _):
             second = builder.add(first, half)
-            x1, x2 = load(x, first, x_type), load(x, second, x_type)
-            c, s = load(cos, first, cache_type), load(sin, first, cache_type)
-            s = builder.fmul(s, sign)
-            store(builder.fsub(builder.fmul(x1, c), builder.fmul(x2, s)), first)
-            store(builder.fadd(builder.fmul(x2, c), builder.fmul(x1, s)), second)
+            y1, y2 = stream.rotate(
+                stream.load(x, first, x_type),
+                stream.load(x, second, x_type),
+                stream.load(cos, first, cache_type),
+                stream.load(sin, first, cache_type),
+                sign,
+            )
+            stream.store(y1, out, first, x_type)
+            stream.store(y2, out, second, x_type)
         return count
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
+
+
+#: Lanes of a vector of 2 x STREAM_WIDTH interleaved elements: the first and the
+#: second of each pair, and back.
+_FIRSTS = list(range(0, 2 * STREAM_WIDTH, 2))
+_SECONDS = list(range(1, 2 * STREAM_WIDTH, 2))
+_INTERLEAVED = [lane for pair in range(STREAM_WIDTH) for lane in (pair, pair + STREAM_WIDTH)]
+
+
+@intrinsic
+def _stream_interleaved_pairs(typingctx, x_row, cos_row, sin_row, out_row, half, sign):
+    """:func:`_stream_pairs` for interleaved pairs (the output row must start on
+    :data:`STREAM_ALIGNMENT` bytes): :data:`STREAM_WIDTH` pairs are loaded as one
+    vector, split into firsts and seconds, and merged back after the rotation."""
+    if not _stream_typing(x_row, cos_row, sin_row, out_row):
+        return None
+
+    def codegen(context, builder, signature, args):
+        (x, cos, sin, out), x_type, cache_type, half, sign = _stream_arguments(
+            context, builder, signature, args
+        )
+        stream = _Stream(context, builder)
+        count = stream.steps(half)
+        lanes = 2 * STREAM_WIDTH
+        with stream.loop(ir.Constant(stream.intp, 0), count, STREAM_WIDTH) as (pair, _):
+            element = builder.add(pair, pair)
+            pairs = stream.load(x, element, x_type, lanes)
+            y1, y2 = stream.rotate(
+                stream.shuffle(pairs, pairs, _FIRSTS),
+                stream.shuffle(pairs, pairs, _SECONDS),
+                stream.load(cos, pair, cache_type),
+                stream.load(sin, pair, cache_type),
+                sign,
+            )
+            stream.store(stream.shuffle(y1, y2, _INTERLEAVED), out, element, x_type, lanes)
+        return count
+
+    return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
+
+
+@intrinsic
+def _stream_copy(typingctx, x_row, out_row, start, end):
+    """Copy elements ``[start, m)`` of a row with non-temporal stores, ``m - start`` the
+    largest multiple of :data:`STREAM_WIDTH` up to ``end``, and return ``m`` (the
+    channels past ``rotary_dim``; element ``start`` of the output must be on
+    :data:`STREAM_ALIGNMENT` bytes)."""
+    if not (isinstance(x_row, types.Array) and x_row.dtype == getattr(out_row, "dtype", None)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        x = context.make_array(signature.args[0])(context, builder, args[0])
+        out = context.make_array(signature.args[1])(context, builder, args[1])
+        start = context.cast(builder, args[2], signature.args[2], types.intp)
+        end = context.cast(builder, args[3], signature.args[3], types.intp)
+        stream = _Stream(context, builder)
+        count = stream.steps(builder.sub(end, start))
+        with stream.loop(start, count, STREAM_WIDTH) as (index, _):
+            stored = builder.store(
+                builder.load(stream.pointer(x, index, STREAM_WIDTH), align=1),
+                stream.pointer(out, index, STREAM_WIDTH),
+            )
+            stored.align = STREAM_ALIGNMENT
+            stored.set_metadata("nontemporal", stream.nontemporal)
+        return builder.add(start, count)
+
+    return types.intp(x_row, out_row, start, end), codegen
 
 
 @njit(cache=True, inline="always")
@@ -205,9 +323,10 @@ def _rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign,
     included, taken two elements per 32-bit word (see :mod:`numba_rope._conversions`;
     the same arithmetic per element, a quarter fewer instructions).
 
-    ``streaming`` (non-interleaved rows only): the pairs go
-    :data:`STREAM_WIDTH` at a time through :func:`_stream_pairs` (non-temporal stores)
-    and the few left over through the element loop.
+    ``streaming``: the pairs go :data:`STREAM_WIDTH` at a time through
+    :func:`_stream_pairs` or :func:`_stream_interleaved_pairs` (non-temporal stores),
+    so do the channels past ``rotary_dim`` through :func:`_stream_copy`, and the few
+    left over through the element loops.
 
     Inlined into kernels where the options are constants,
     so that only the loop in use is compiled and a ``sign`` of +1 costs nothing. The
@@ -215,10 +334,11 @@ def _rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign,
     keep these loops from vectorizing.
     """
     half = rotary_dim // 2
-    if streaming:
+    first = 0
+    if streaming and interleaved:
+        first = _stream_interleaved_pairs(x_row, cos_row, sin_row, out_row, half, sign)
+    elif streaming:
         first = _stream_pairs(x_row, cos_row, sin_row, out_row, half, sign)
-    else:
-        first = 0
     if words and interleaved:
         # Word i holds pair i: (x1, x2) in, (y1, y2) out.
         x = _words(x_row, 0, half)
@@ -261,7 +381,7 @@ def _rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign,
             out_row[i] = narrow_like(y1, out_row)
             out_row[i2] = narrow_like(y2, out_row)
     elif interleaved:
-        for pair in range(half):
+        for pair in range(first, half):
             i = np.uint64(pair)
             i1 = np.uint64(2 * pair)
             i2 = np.uint64(2 * pair + 1)
@@ -279,7 +399,10 @@ def _rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign,
             )
             out_row[i] = narrow_like(y1, out_row)
             out_row[i2] = narrow_like(y2, out_row)
-    for channel in range(rotary_dim, x_row.shape[0]):
+    copied = rotary_dim
+    if streaming:
+        copied = _stream_copy(x_row, out_row, rotary_dim, x_row.shape[0])
+    for channel in range(copied, x_row.shape[0]):
         i = np.uint64(channel)
         out_row[i] = x_row[i]
 
@@ -840,9 +963,9 @@ def kernels(
     streaming: bool = False,
 ) -> tuple:
     """``(serial, parallel, qk_serial, qk_parallel)`` for these options (see
-    :func:`_make_kernels`; ``words`` and ``streaming`` only with ``contiguous``,
-    ``streaming`` only without ``interleaved``, and then instead of ``words``)."""
-    streaming = streaming and contiguous and not interleaved
+    :func:`_make_kernels`; ``words`` and ``streaming`` only with ``contiguous``, and
+    ``streaming`` instead of ``words``)."""
+    streaming = streaming and contiguous
     words = words and contiguous and not streaming
     key = (interleaved, inverse, contiguous, int(in_place), words, streaming)
     found = _kernel_sets.get(key)
@@ -853,13 +976,15 @@ def kernels(
 
 def streaming(rotary_dim: int, interleaved: bool, *outs) -> bool:
     """Whether the kernels write these outputs (storage views, BHSD) with non-temporal
-    stores: non-interleaved pairs, outputs of at least ``config.STREAMING_MIN_BYTES``
-    together, float32 or 16-bit elements, and every row and its second half starting on
-    :data:`STREAM_ALIGNMENT` bytes (which :func:`_stream_pairs` needs)."""
-    if interleaved or sum(out.nbytes for out in outs) < config.STREAMING_MIN_BYTES:
+    stores: outputs of at least ``config.STREAMING_MIN_BYTES`` together, float32 or
+    16-bit elements, and every row starting on :data:`STREAM_ALIGNMENT` bytes, so do
+    its channels past ``rotary_dim`` and, for non-interleaved pairs, its second half
+    (which the streaming intrinsics need)."""
+    if sum(out.nbytes for out in outs) < config.STREAMING_MIN_BYTES:
         return False
+    offset = rotary_dim if interleaved else rotary_dim // 2  # of the last aligned part
     for out in outs:
-        if out.itemsize > 4 or (rotary_dim // 2 * out.itemsize) % STREAM_ALIGNMENT:
+        if out.itemsize > 4 or (offset * out.itemsize) % STREAM_ALIGNMENT:
             return False
         if out.ctypes.data % STREAM_ALIGNMENT:
             return False

@@ -25,8 +25,8 @@ TOKENS_PER_TILE: int = 1024
 #: Outputs of at least this many bytes (q and k together) are written with non-temporal
 #: stores, straight to memory: a third less memory traffic (the output is not read into
 #: the cache first), but the result is not left in the cache for whoever reads it next,
-#: so only for outputs larger than a last-level cache. Only for non-interleaved pairs
-#: and rows on 16-byte boundaries (NumPy's large arrays are); results are the same bits.
+#: so only for outputs larger than a last-level cache. Only for rows on 16-byte
+#: boundaries (NumPy's large arrays are); results are the same bits.
 STREAMING_MIN_BYTES: int = 16 << 20
 
 #: Threads per block of the CUDA kernels. Tests shrink it so that tiny inputs span

@@ -41,37 +41,43 @@ def stream_always(monkeypatch):
 
 
 def _streamed(requested):
-    return [options[5] and options[2] and not options[0] for options in requested]
+    return [options[5] and options[2] for options in requested]
 
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("dtype", STREAMED, ids=[d.name for d in STREAMED])
 @pytest.mark.parametrize(
     ("head_size", "rotary_dim"),
-    [(128, 128), (64, 48), (24, 24), (32, 16)],
-    ids=["full", "partial", "half-12", "half-8"],
+    [(128, 128), (96, 48), (40, 24), (32, 16), (60, 48)],
+    ids=["full", "partial", "half-12", "half-8", "copy-12"],
 )
 def test_streamed_rows_give_the_contract_bits(
-    rng, monkeypatch, stream_always, dtype, head_size, rotary_dim, parallel
+    rng, monkeypatch, stream_always, dtype, head_size, rotary_dim, interleaved, parallel
 ):
-    # Pairs 8 at a time with non-temporal stores, those left over (float32 half 12:
-    # 8 + 4) and the channels past rotary_dim through the element loop. 16-bit rows
-    # with half 12 have their second half 24 bytes in: they take the element loop.
+    # Pairs 8 at a time with non-temporal stores and those left over (half 12: 8 + 4)
+    # through the element loop; the channels past rotary_dim 8 at a time too, the rest
+    # (40 - 24 = 16 + 0, 96 - 48 = 48 + 0, float32: 32 - 16 = 16 + 0) element by
+    # element, or 60 - 48 = 8 + 4. 16-bit rows with half 12 have their second half 24
+    # bytes in (without interleaving), and 16-bit rows of 60 elements are 120 bytes
+    # apart: those take the element loops.
     if parallel:
         monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 0)
-    half = rotary_dim // 2
-    streams = (half * dtype.itemsize) % _cpu.STREAM_ALIGNMENT == 0
+    aligned_part = rotary_dim if interleaved else rotary_dim // 2
+    streams = all(
+        (size * dtype.itemsize) % _cpu.STREAM_ALIGNMENT == 0 for size in (aligned_part, head_size)
+    )
     shape = (2, 3, 5, head_size)
     x, cos, sin, ids = make_case(rng, shape, dtype, rotary_dim=rotary_dim)
-    options = {"rotary_embedding_dim": rotary_dim}
-    want = float32_contract(x, cos, sin, ids, False, rotary_dim)
+    options = {"rotary_embedding_dim": rotary_dim, "interleaved": interleaved}
+    want = float32_contract(x, cos, sin, ids, interleaved, rotary_dim)
     out = aligned(shape, dtype)
     assert numba_rope.rotary_embedding(x, cos, sin, ids, out=out, **options) is out
     assert_bitwise_equal(out, want)
     allocated = numba_rope.rotary_embedding(x, cos, sin, ids, **options)
     assert_bitwise_equal(allocated, want)
     inverse = numba_rope.rotary_embedding(out, cos, sin, ids, inverse=True, **options)
-    assert_bitwise_equal(inverse, float32_contract(out, cos, -sin, ids, False, rotary_dim))
+    assert_bitwise_equal(inverse, float32_contract(out, cos, -sin, ids, interleaved, rotary_dim))
     in_place = aligned(shape, dtype)
     in_place[...] = x
     numba_rope.rotary_embedding(in_place, cos, sin, ids, out=in_place, **options)
@@ -81,7 +87,7 @@ def test_streamed_rows_give_the_contract_bits(
         x, k, cos, sin, ids, out_q=aligned(shape, dtype), out_k=aligned(k.shape, dtype), **options
     )
     assert_bitwise_equal(got_q, want)
-    assert_bitwise_equal(got_k, float32_contract(k, cos, sin, ids, False, rotary_dim))
+    assert_bitwise_equal(got_k, float32_contract(k, cos, sin, ids, interleaved, rotary_dim))
     assert _streamed(stream_always) == [streams] * len(stream_always)
     assert len(stream_always) >= 5
 
@@ -118,7 +124,9 @@ def test_what_streams(monkeypatch):
     big = aligned((1, 4, 8, 64), np.float32)  # 8 KiB
     assert _cpu.streaming(64, False, big)
     assert _cpu.streaming(32, False, big)  # partial: half 16 floats
-    assert not _cpu.streaming(64, True, big)  # interleaved pairs: the element loop
+    assert _cpu.streaming(64, True, big)
+    assert _cpu.streaming(4, True, big)  # interleaved: rotary 16 bytes, no second half
+    assert not _cpu.streaming(2, True, big)  # channels past rotary_dim 8 bytes in
     assert not _cpu.streaming(64, False, big[:, :1, :2])  # 512 bytes: too small
     assert _cpu.streaming(64, False, big[:, :1, :2], big)  # q and k count together
     assert not _cpu.streaming(2, False, big)  # second half 4 bytes in
@@ -130,6 +138,7 @@ def test_what_streams(monkeypatch):
     assert not _cpu.streaming(72, False, uint16[..., :72])  # second half 72 bytes in
     assert not _cpu.streaming(64, False, uint16[..., 1:65])  # rows start 2 bytes in
     assert not _cpu.streaming(8, False, uint16)  # second half 8 bytes in
+    assert _cpu.streaming(8, True, uint16)
     monkeypatch.setattr(config, "STREAMING_MIN_BYTES", 1 << 30)
     assert not _cpu.streaming(64, False, big)
 
