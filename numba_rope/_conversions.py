@@ -175,42 +175,50 @@ def narrow_like(typingctx, value, like):
 _HIGH_HALF = 0xFFFF0000
 
 
+def bfloat16_low_code(builder, words):
+    """The first bfloat16 of 32-bit storage words (scalar or vector), as float32."""
+    return builder.bitcast(builder.shl(words, _constant(words, 16)), _shaped(words, ir.FloatType()))
+
+
+def bfloat16_high_code(builder, words):
+    """The second bfloat16 of 32-bit storage words, as float32."""
+    masked = builder.and_(words, _constant(words, _HIGH_HALF))
+    return builder.bitcast(masked, _shaped(words, ir.FloatType()))
+
+
+def bfloat16_pair_code(builder, low, high):
+    """32-bit storage words of two float32 arithmetic results (scalars or vectors),
+    each rounded once to nearest even (see :func:`narrow_like`): ``low`` first."""
+    first = builder.lshr(_bfloat16_rounded_bits(builder, low), _constant(low, 16))
+    second = builder.and_(_bfloat16_rounded_bits(builder, high), _constant(high, _HIGH_HALF))
+    return builder.or_(first, second)
+
+
 @intrinsic
 def bfloat16_low(typingctx, word):
-    """The first bfloat16 of a 32-bit storage word, as float32."""
+    """:func:`bfloat16_low_code` of one word."""
     if word != types.uint32:
         return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(builder.shl(args[0], ir.Constant(_I32, 16)), ir.FloatType())
-
-    return types.float32(word), codegen
+    return types.float32(word), lambda context, builder, sig, args: bfloat16_low_code(
+        builder, args[0]
+    )
 
 
 @intrinsic
 def bfloat16_high(typingctx, word):
-    """The second bfloat16 of a 32-bit storage word, as float32."""
+    """:func:`bfloat16_high_code` of one word."""
     if word != types.uint32:
         return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(builder.and_(args[0], ir.Constant(_I32, _HIGH_HALF)), ir.FloatType())
-
-    return types.float32(word), codegen
+    return types.float32(word), lambda context, builder, sig, args: bfloat16_high_code(
+        builder, args[0]
+    )
 
 
 @intrinsic
 def bfloat16_pair(typingctx, low, high):
-    """The 32-bit storage word of two float32 arithmetic results, each rounded once to
-    nearest even (see :func:`narrow_like`): ``low`` first."""
+    """:func:`bfloat16_pair_code` of two values."""
     if low != types.float32 or high != types.float32:
         return None
-
-    def codegen(context, builder, sig, args):
-        first = builder.lshr(_bfloat16_rounded_bits(builder, args[0]), ir.Constant(_I32, 16))
-        second = builder.and_(
-            _bfloat16_rounded_bits(builder, args[1]), ir.Constant(_I32, _HIGH_HALF)
-        )
-        return builder.or_(first, second)
-
-    return types.uint32(low, high), codegen
+    return types.uint32(low, high), lambda context, builder, sig, args: bfloat16_pair_code(
+        builder, *args
+    )

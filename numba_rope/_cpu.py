@@ -25,9 +25,9 @@ from numba.np.arrayobj import populate_array
 from numba_rope import config
 from numba_rope._conversions import (
     BFLOAT16_STORAGE,
-    bfloat16_high,
-    bfloat16_low,
-    bfloat16_pair,
+    bfloat16_high_code,
+    bfloat16_low_code,
+    bfloat16_pair_code,
     narrow_code,
     narrow_like,
     widen,
@@ -112,19 +112,6 @@ def _row(typingctx, array, byte_offset, length):
     return row_type(array, byte_offset, length), _view_codegen(row_type)
 
 
-#: 32-bit words at any 2-byte boundary (rows of bfloat16): loads and stores that claim
-#: no alignment, which x86 vector loads and stores do not need.
-_WORDS = types.Array(types.uint32, 1, "C", aligned=False)
-
-
-@intrinsic
-def _words(typingctx, array, byte_offset, length):
-    """``length`` 32-bit words of ``array`` from ``byte_offset`` (see :data:`_WORDS`)."""
-    if not isinstance(array, types.Array):
-        return None
-    return _WORDS(array, byte_offset, length), _view_codegen(_WORDS)
-
-
 #: Pairs per step of the streaming loops; their stores need 16-byte alignment.
 STREAM_WIDTH = 8
 STREAM_ALIGNMENT = 16
@@ -161,6 +148,19 @@ class _Stream:
         )
         stored.align = STREAM_ALIGNMENT
         stored.set_metadata("nontemporal", self.nontemporal)
+
+    def word_pointer(self, array, index):
+        """:data:`STREAM_WIDTH` 32-bit words of 16-bit storage from element ``index``."""
+        pointer = self.builder.gep(array.data, [index])
+        return self.builder.bitcast(pointer, ir.VectorType(_LANE, STREAM_WIDTH).as_pointer())
+
+    def load_words(self, array, index):
+        return self.builder.load(self.word_pointer(array, index), align=2)
+
+    def store_words(self, words, array, index):
+        """An ordinary store (these rows may be small, and read again soon)."""
+        stored = self.builder.store(words, self.word_pointer(array, index))
+        stored.align = 2
 
     def splat(self, value):
         vector = ir.Constant(ir.VectorType(value.type, STREAM_WIDTH), ir.Undefined)
@@ -200,6 +200,11 @@ def _stream_typing(x_row, cos_row, sin_row, out_row):
         and x_row.dtype == out_row.dtype
         and cos_row.dtype == sin_row.dtype
     )
+
+
+def _word_typing(x_row, cos_row, sin_row, out_row):
+    rows = (x_row, cos_row, sin_row, out_row)
+    return all(isinstance(row, types.Array) and row.dtype == BFLOAT16_TYPE for row in rows)
 
 
 def _stream_arguments(context, builder, signature, args):
@@ -289,6 +294,70 @@ def _stream_interleaved_pairs(typingctx, x_row, cos_row, sin_row, out_row, half,
 
 
 @intrinsic
+def _word_pairs(typingctx, x_row, cos_row, sin_row, out_row, half, sign):
+    """Rotate the first ``n`` pairs of a row of bfloat16 (caches included), ``half``
+    non-interleaved pairs, two elements per 32-bit word (see
+    :mod:`numba_rope._conversions`), and return ``n``: ``2 * STREAM_WIDTH`` pairs a
+    step, ordinary stores. The same arithmetic per element as the element loop, a
+    quarter fewer instructions. Written in LLVM vectors rather than as a numba loop:
+    numba inlines every branch of :func:`_rotate_row` before dropping the dead ones,
+    and this code would cost every kernel's compilation, bfloat16 or not."""
+    if not _word_typing(x_row, cos_row, sin_row, out_row):
+        return None
+
+    def codegen(context, builder, signature, args):
+        (x, cos, sin, out), _, _, half, sign = _stream_arguments(context, builder, signature, args)
+        stream = _Stream(context, builder)
+        words = stream.steps(builder.sdiv(half, ir.Constant(stream.intp, 2)))
+        count = builder.add(words, words)  # pairs, 2 per word
+        step = 2 * STREAM_WIDTH
+        with stream.loop(ir.Constant(stream.intp, 0), count, step) as (first, _):
+            second = builder.add(first, half)
+            a, b = stream.load_words(x, first), stream.load_words(x, second)
+            c, s = stream.load_words(cos, first), stream.load_words(sin, first)
+            y1_low, y2_low = stream.rotate(
+                *(bfloat16_low_code(builder, w) for w in (a, b, c, s)), sign
+            )
+            y1_high, y2_high = stream.rotate(
+                *(bfloat16_high_code(builder, w) for w in (a, b, c, s)), sign
+            )
+            stream.store_words(bfloat16_pair_code(builder, y1_low, y1_high), out, first)
+            stream.store_words(bfloat16_pair_code(builder, y2_low, y2_high), out, second)
+        return count
+
+    return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
+
+
+@intrinsic
+def _word_interleaved_pairs(typingctx, x_row, cos_row, sin_row, out_row, half, sign):
+    """:func:`_word_pairs` for interleaved pairs: word ``i`` of a row holds pair ``i``
+    (``x1`` low, ``x2`` high), in and out; :data:`STREAM_WIDTH` pairs a step."""
+    if not _word_typing(x_row, cos_row, sin_row, out_row):
+        return None
+
+    def codegen(context, builder, signature, args):
+        (x, cos, sin, out), _, cache_type, half, sign = _stream_arguments(
+            context, builder, signature, args
+        )
+        stream = _Stream(context, builder)
+        count = stream.steps(half)
+        with stream.loop(ir.Constant(stream.intp, 0), count, STREAM_WIDTH) as (pair, _):
+            element = builder.add(pair, pair)
+            pairs = stream.load_words(x, element)
+            y1, y2 = stream.rotate(
+                bfloat16_low_code(builder, pairs),
+                bfloat16_high_code(builder, pairs),
+                stream.load(cos, pair, cache_type),
+                stream.load(sin, pair, cache_type),
+                sign,
+            )
+            stream.store_words(bfloat16_pair_code(builder, y1, y2), out, element)
+        return count
+
+    return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
+
+
+@intrinsic
 def _stream_copy(typingctx, x_row, out_row, start, end):
     """Copy elements ``[start, m)`` of a row with non-temporal stores, ``m - start`` the
     largest multiple of :data:`STREAM_WIDTH` up to ``end``, and return ``m`` (the
@@ -319,19 +388,20 @@ def _stream_copy(typingctx, x_row, out_row, start, end):
 @njit(cache=True, inline="always")
 def _rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign, words, streaming):
     """Rotate one row. Each pair is read before either of its elements is written, so
-    ``out_row`` may be ``x_row``. ``words``: the rows are bfloat16 rows, caches
-    included, taken two elements per 32-bit word (see :mod:`numba_rope._conversions`;
-    the same arithmetic per element, a quarter fewer instructions).
+    ``out_row`` may be ``x_row``.
 
-    ``streaming``: the pairs go :data:`STREAM_WIDTH` at a time through
-    :func:`_stream_pairs` or :func:`_stream_interleaved_pairs` (non-temporal stores),
-    so do the channels past ``rotary_dim`` through :func:`_stream_copy`, and the few
-    left over through the element loops.
+    The element loops below do any row, and LLVM vectorizes them. Two options hand
+    most pairs to intrinsics written in LLVM vectors first, leaving the element loops
+    what is left over: ``words`` (rows of bfloat16, caches included: two elements per
+    32-bit word, :func:`_word_pairs`, :func:`_word_interleaved_pairs`) and
+    ``streaming`` (non-temporal stores: :func:`_stream_pairs`,
+    :func:`_stream_interleaved_pairs`, and :func:`_stream_copy` for the channels past
+    ``rotary_dim``).
 
-    Inlined into kernels where the options are constants,
-    so that only the loop in use is compiled and a ``sign`` of +1 costs nothing. The
-    indices are unsigned: numba then emits no negative-index wrap-around, which would
-    keep these loops from vectorizing.
+    Inlined into kernels where the options are constants, so that only the code in
+    use is compiled and a ``sign`` of +1 costs nothing. The indices are unsigned:
+    numba then emits no negative-index wrap-around, which would keep these loops from
+    vectorizing.
     """
     half = rotary_dim // 2
     first = 0
@@ -339,48 +409,11 @@ def _rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign,
         first = _stream_interleaved_pairs(x_row, cos_row, sin_row, out_row, half, sign)
     elif streaming:
         first = _stream_pairs(x_row, cos_row, sin_row, out_row, half, sign)
-    if words and interleaved:
-        # Word i holds pair i: (x1, x2) in, (y1, y2) out.
-        x = _words(x_row, 0, half)
-        out = _words(out_row, 0, half)
-        for pair in range(half):
-            i = np.uint64(pair)
-            word = x[i]
-            y1, y2 = rotate_pair(
-                bfloat16_low(word),
-                bfloat16_high(word),
-                widen(cos_row[i]),
-                widen(sin_row[i]) * sign,
-            )
-            out[i] = bfloat16_pair(y1, y2)
+    elif words and interleaved:
+        first = _word_interleaved_pairs(x_row, cos_row, sin_row, out_row, half, sign)
     elif words:
-        # Word j of each half holds pairs 2j and 2j+1; with an odd number of pairs the
-        # last one goes alone.
-        n = half // 2
-        x1, x2 = _words(x_row, 0, n), _words(x_row, 2 * half, n)
-        out1, out2 = _words(out_row, 0, n), _words(out_row, 2 * half, n)
-        cos_words, sin_words = _words(cos_row, 0, n), _words(sin_row, 0, n)
-        for word in range(n):
-            j = np.uint64(word)
-            a, b = x1[j], x2[j]
-            c, s = cos_words[j], sin_words[j]
-            y1_low, y2_low = rotate_pair(
-                bfloat16_low(a), bfloat16_low(b), bfloat16_low(c), bfloat16_low(s) * sign
-            )
-            y1_high, y2_high = rotate_pair(
-                bfloat16_high(a), bfloat16_high(b), bfloat16_high(c), bfloat16_high(s) * sign
-            )
-            out1[j] = bfloat16_pair(y1_low, y1_high)
-            out2[j] = bfloat16_pair(y2_low, y2_high)
-        if half % 2:
-            i = np.uint64(half - 1)
-            i2 = np.uint64(2 * half - 1)
-            y1, y2 = rotate_pair(
-                widen(x_row[i]), widen(x_row[i2]), widen(cos_row[i]), widen(sin_row[i]) * sign
-            )
-            out_row[i] = narrow_like(y1, out_row)
-            out_row[i2] = narrow_like(y2, out_row)
-    elif interleaved:
+        first = _word_pairs(x_row, cos_row, sin_row, out_row, half, sign)
+    if interleaved:
         for pair in range(first, half):
             i = np.uint64(pair)
             i1 = np.uint64(2 * pair)
