@@ -157,10 +157,14 @@ class _Stream:
     def load_words(self, array, index):
         return self.builder.load(self.word_pointer(array, index), align=2)
 
-    def store_words(self, words, array, index):
-        """An ordinary store (these rows may be small, and read again soon)."""
+    def store_words(self, words, array, index, nontemporal):
+        """An ordinary store, or a non-temporal one (then on :data:`STREAM_ALIGNMENT`
+        bytes, which the caller guarantees)."""
         stored = self.builder.store(words, self.word_pointer(array, index))
         stored.align = 2
+        if nontemporal:
+            stored.align = STREAM_ALIGNMENT
+            stored.set_metadata("nontemporal", self.nontemporal)
 
     def splat(self, value):
         vector = ir.Constant(ir.VectorType(value.type, STREAM_WIDTH), ir.Undefined)
@@ -293,8 +297,27 @@ def _stream_interleaved_pairs(typingctx, x_row, cos_row, sin_row, out_row, half,
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
 
 
-@intrinsic
-def _word_pairs(typingctx, x_row, cos_row, sin_row, out_row, half, sign):
+def _word_pairs_intrinsic(nontemporal: bool):
+    """:func:`_word_pairs`, with ordinary or non-temporal stores."""
+
+    def _word_pairs(typingctx, x_row, cos_row, sin_row, out_row, half, sign):
+        return _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign)
+
+    return intrinsic(_word_pairs)
+
+
+def _word_interleaved_pairs_intrinsic(nontemporal: bool):
+    """:func:`_word_interleaved_pairs`, with ordinary or non-temporal stores."""
+
+    def _word_interleaved_pairs(typingctx, x_row, cos_row, sin_row, out_row, half, sign):
+        return _word_interleaved_pairs_typing(
+            nontemporal, x_row, cos_row, sin_row, out_row, half, sign
+        )
+
+    return intrinsic(_word_interleaved_pairs)
+
+
+def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     """Rotate the first ``n`` pairs of a row of bfloat16 (caches included), ``half``
     non-interleaved pairs, two elements per 32-bit word (see
     :mod:`numba_rope._conversions`), and return ``n``: ``2 * STREAM_WIDTH`` pairs a
@@ -321,15 +344,16 @@ def _word_pairs(typingctx, x_row, cos_row, sin_row, out_row, half, sign):
             y1_high, y2_high = stream.rotate(
                 *(bfloat16_high_code(builder, w) for w in (a, b, c, s)), sign
             )
-            stream.store_words(bfloat16_pair_code(builder, y1_low, y1_high), out, first)
-            stream.store_words(bfloat16_pair_code(builder, y2_low, y2_high), out, second)
+            y1 = bfloat16_pair_code(builder, y1_low, y1_high)
+            stream.store_words(y1, out, first, nontemporal)
+            y2 = bfloat16_pair_code(builder, y2_low, y2_high)
+            stream.store_words(y2, out, second, nontemporal)
         return count
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
 
 
-@intrinsic
-def _word_interleaved_pairs(typingctx, x_row, cos_row, sin_row, out_row, half, sign):
+def _word_interleaved_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     """:func:`_word_pairs` for interleaved pairs: word ``i`` of a row holds pair ``i``
     (``x1`` low, ``x2`` high), in and out; :data:`STREAM_WIDTH` pairs a step."""
     if not _word_typing(x_row, cos_row, sin_row, out_row):
@@ -351,10 +375,17 @@ def _word_interleaved_pairs(typingctx, x_row, cos_row, sin_row, out_row, half, s
                 stream.load(sin, pair, cache_type),
                 sign,
             )
-            stream.store_words(bfloat16_pair_code(builder, y1, y2), out, element)
+            stream.store_words(bfloat16_pair_code(builder, y1, y2), out, element, nontemporal)
         return count
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
+
+
+#: The word loops (ordinary stores) and their streaming forms (non-temporal stores).
+_word_pairs = _word_pairs_intrinsic(False)
+_word_interleaved_pairs = _word_interleaved_pairs_intrinsic(False)
+_stream_word_pairs = _word_pairs_intrinsic(True)
+_stream_word_interleaved_pairs = _word_interleaved_pairs_intrinsic(True)
 
 
 @intrinsic
@@ -405,7 +436,11 @@ def _rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign,
     """
     half = rotary_dim // 2
     first = 0
-    if streaming and interleaved:
+    if streaming and words and interleaved:
+        first = _stream_word_interleaved_pairs(x_row, cos_row, sin_row, out_row, half, sign)
+    elif streaming and words:
+        first = _stream_word_pairs(x_row, cos_row, sin_row, out_row, half, sign)
+    elif streaming and interleaved:
         first = _stream_interleaved_pairs(x_row, cos_row, sin_row, out_row, half, sign)
     elif streaming:
         first = _stream_pairs(x_row, cos_row, sin_row, out_row, half, sign)
@@ -996,10 +1031,9 @@ def kernels(
     streaming: bool = False,
 ) -> tuple:
     """``(serial, parallel, qk_serial, qk_parallel)`` for these options (see
-    :func:`_make_kernels`; ``words`` and ``streaming`` only with ``contiguous``, and
-    ``streaming`` instead of ``words``)."""
+    :func:`_make_kernels`; ``words`` and ``streaming`` only with ``contiguous``)."""
     streaming = streaming and contiguous
-    words = words and contiguous and not streaming
+    words = words and contiguous
     key = (interleaved, inverse, contiguous, int(in_place), words, streaming)
     found = _kernel_sets.get(key)
     if found is None:
