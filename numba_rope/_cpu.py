@@ -12,6 +12,7 @@ dtypes and position ids before any of them runs. float16 and bfloat16 arrays arr
 
 from __future__ import annotations
 
+import platform
 import threading
 
 import numba
@@ -388,6 +389,30 @@ _stream_word_pairs = _word_pairs_intrinsic(True)
 _stream_word_interleaved_pairs = _word_interleaved_pairs_intrinsic(True)
 
 
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+@intrinsic
+def _store_fence(typingctx):
+    """A store fence: non-temporal stores are weakly ordered, so each thread that made
+    some fences them before it reports its work done, whatever the threading layer's
+    own barrier guarantees. ``sfence`` on x86, the instruction documented for ordering
+    non-temporal stores (LLVM would turn a plain fence into a locked ``or``), a full
+    fence elsewhere."""
+
+    def codegen(context, builder, signature, args):
+        if _X86:
+            sfence = builder.module.declare_intrinsic(
+                "llvm.x86.sse.sfence", fnty=ir.FunctionType(ir.VoidType(), [])
+            )
+            builder.call(sfence, [])
+        else:
+            builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
 @intrinsic
 def _stream_copy(typingctx, x_row, out_row, start, end):
     """Copy elements ``[start, m)`` of a row with non-temporal stores, ``m - start`` the
@@ -546,6 +571,8 @@ def _contiguous_units(
                     words,
                     streaming,
                 )
+    if streaming:
+        _store_fence()
 
 
 @njit(cache=True, inline="always")
