@@ -75,42 +75,33 @@ def _cache_row_offset_overload(cache, positions, b, s):
     return lambda cache, positions, b, s: (positions[b] + s) * cache.strides[0]
 
 
-def _view_codegen(view_type):
-    """Code of an intrinsic ``(array, byte_offset, length)`` that returns a 1-D array of
-    type ``view_type`` over ``length`` items of ``array`` from ``byte_offset``: no
-    copy and, unlike a slice, no reference count to update."""
-    itemsize = view_type.dtype.bitwidth // 8
+@intrinsic
+def _row(typingctx, array, byte_offset, length):
+    """A C-contiguous 1-D array over ``length`` elements of ``array`` starting at
+    ``byte_offset``: no copy and, unlike a slice, no reference count to update. An
+    intrinsic (emitted directly, nothing to inline) to keep compile times short."""
+    if not isinstance(array, types.Array):
+        return None
+    row_type = types.Array(array.dtype, 1, "C")
 
     def codegen(context, builder, signature, args):
         source = context.make_array(signature.args[0])(context, builder, args[0])
         offset = context.cast(builder, args[1], signature.args[1], types.intp)
         address = builder.add(builder.ptrtoint(source.data, ir.IntType(64)), offset)
-        data_type = context.get_data_type(view_type.dtype).as_pointer()
-        view = context.make_array(view_type)(context, builder)
+        row = context.make_array(row_type)(context, builder)
         populate_array(
-            view,
-            data=builder.inttoptr(address, data_type),
+            row,
+            data=builder.inttoptr(address, source.data.type),
             shape=cgutils.pack_array(
                 builder, [context.cast(builder, args[2], signature.args[2], types.intp)]
             ),
-            strides=cgutils.pack_array(builder, [context.get_constant(types.intp, itemsize)]),
-            itemsize=context.get_constant(types.intp, itemsize),
+            strides=cgutils.pack_array(builder, [source.itemsize]),
+            itemsize=source.itemsize,
             meminfo=None,
         )
-        return view._getvalue()
+        return row._getvalue()
 
-    return codegen
-
-
-@intrinsic
-def _row(typingctx, array, byte_offset, length):
-    """A C-contiguous 1-D array over ``length`` elements of ``array`` starting at
-    ``byte_offset`` (see :func:`_view_codegen`). An intrinsic (emitted directly, nothing
-    to inline) to keep compile times short."""
-    if not isinstance(array, types.Array):
-        return None
-    row_type = types.Array(array.dtype, 1, "C")
-    return row_type(array, byte_offset, length), _view_codegen(row_type)
+    return row_type(array, byte_offset, length), codegen
 
 
 #: Pairs per step of the streaming loops; their stores need 16-byte alignment.
@@ -124,8 +115,9 @@ _LANE = ir.IntType(32)
 
 
 class _Stream:
-    """LLVM code shared by the streaming intrinsics: vectors of :data:`STREAM_WIDTH`
-    (or twice that) elements loaded from rows, and non-temporal stores into them."""
+    """LLVM code shared by the vector intrinsics (streaming and bfloat16 words): vectors
+    of :data:`STREAM_WIDTH` (or twice that) elements or words loaded from rows, and
+    stores into them, non-temporal ones for streaming."""
 
     def __init__(self, context, builder):
         self.builder = builder
@@ -1092,7 +1084,12 @@ def row_format(*arrays) -> tuple[bool, bool]:
     rows are contiguous (:func:`rows_contiguous`), and whether they are also all
     bfloat16, to be taken two elements per 32-bit word."""
     contiguous = rows_contiguous(*arrays)
-    return contiguous, contiguous and all(a.dtype == BFLOAT16_STORAGE for a in arrays)
+    return contiguous, contiguous and takes_words(*(a.dtype for a in arrays))
+
+
+def takes_words(*storage_dtypes) -> bool:
+    """Whether arrays of these storage dtypes are all bfloat16 (``words`` kernels)."""
+    return all(dtype == BFLOAT16_STORAGE for dtype in storage_dtypes)
 
 
 def work_split(batch: int, num_heads: int, seq_len: int, parallel: bool) -> tuple[int, int, int]:

@@ -289,7 +289,8 @@ def cpu_plan(call, x, cos, position_ids) -> Any:
 
     The plan takes the call's arrays and its ``int`` position offset (or None), and
     returns the result, or None when the general path must take over: an input too
-    large for one thread, a read-only ``out``, an offset beyond int64, or a kernel
+    large for one thread or large enough to stream (``config.STREAMING_MIN_BYTES``), a
+    read-only ``out``, an offset beyond int64, or a kernel
     status other than DONE (an overlap of ``out`` with an input, a bad position).
     Nothing has been written then, so the general path runs the call again from the
     start and raises or handles it.
@@ -301,12 +302,13 @@ def cpu_plan(call, x, cos, position_ids) -> Any:
     x_item, cache_item = x.dtype.itemsize, cos.dtype.itemsize
     x_shape, x_dtype = x.shape, x.dtype
     x_storage, cache_storage = _storage_dtype(x.dtype), _storage_dtype(cos.dtype)
-    words = x_storage == BFLOAT16_STORAGE and cache_storage == BFLOAT16_STORAGE
+    words = _cpu.takes_words(x_storage, cache_storage)
+    nbytes = x.nbytes
     to_bhsd = x.ndim == 3 or layout == "bshd"
     done = _cpu.DONE
 
     def plan(x, cos, sin, position_ids, out, offset=None):
-        if size >= config.PARALLEL_MIN_ELEMENTS:
+        if size >= config.PARALLEL_MIN_ELEMENTS or nbytes >= config.STREAMING_MIN_BYTES:
             return None
         in_place = out is x
         if offset is not None:
@@ -385,12 +387,13 @@ def cpu_plan_qk(call, q_shape, k_shape, q, k, cos, position_ids) -> Any:
     item, cache_item = q.dtype.itemsize, cos.dtype.itemsize
     dtype, q_raw, k_raw = q.dtype, q.shape, k.shape
     storage, cache_storage = _storage_dtype(q.dtype), _storage_dtype(cos.dtype)
-    words = storage == BFLOAT16_STORAGE and cache_storage == BFLOAT16_STORAGE
+    words = _cpu.takes_words(storage, cache_storage)
+    nbytes = q.nbytes + k.nbytes
     to_bhsd = q.ndim == 3 or layout == "bshd"
     done = _cpu.DONE
 
     def plan(q, k, cos, sin, position_ids, out_q, out_k, offset=None):
-        if size >= config.PARALLEL_MIN_ELEMENTS:
+        if size >= config.PARALLEL_MIN_ELEMENTS or nbytes >= config.STREAMING_MIN_BYTES:
             return None
         if offset is not None:
             if not _INT64_MIN <= offset <= _INT64_MAX:

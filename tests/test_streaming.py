@@ -171,3 +171,25 @@ def test_large_default_call_streams_and_small_one_does_not(rng, monkeypatch):
     requested.clear()
     numba_rope.rotary_embedding(x[:, :, :64], cos, sin, ids[:, :64])
     assert _streamed(requested) == [False]
+
+
+def test_plans_leave_streamed_outputs_to_the_general_path(rng, monkeypatch):
+    # A repeated call normally runs a plan (one thread, ordinary stores); an output at
+    # or above the streaming threshold takes the general path every time, so a lowered
+    # threshold applies to small repeated calls as well (single and q+k).
+    monkeypatch.setattr(config, "STREAMING_MIN_BYTES", 0)
+    monkeypatch.setattr(_dispatch, "CPU_PLANS", {})
+    requested = []
+    kernels = _cpu.kernels
+    monkeypatch.setattr(_cpu, "kernels", lambda *args: requested.append(args) or kernels(*args))
+    x, cos, sin, ids = make_case(rng, (2, 3, 5, 32), np.float32)
+    k = rng.standard_normal((2, 1, 5, 32)).astype(np.float32)
+    for _ in range(3):
+        got = numba_rope.rotary_embedding(x, cos, sin, ids, out=aligned(x.shape, x.dtype))
+        assert_bitwise_equal(got, float32_contract(x, cos, sin, ids))
+        got_q, got_k = numba_rope.rotary_embedding_qk(
+            x, k, cos, sin, ids, out_q=aligned(x.shape, x.dtype), out_k=aligned(k.shape, k.dtype)
+        )
+        assert_bitwise_equal(got_q, float32_contract(x, cos, sin, ids))
+        assert_bitwise_equal(got_k, float32_contract(k, cos, sin, ids))
+    assert _streamed(requested) == [True] * 6
