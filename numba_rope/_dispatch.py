@@ -306,6 +306,7 @@ def cpu_plan(call, x, cos, position_ids) -> Any:
     nbytes = x.nbytes
     to_bhsd = x.ndim == 3 or layout == "bshd"
     done = _cpu.DONE
+    serials: dict[tuple[bool, int], Any] = {}  # by (contiguous, in_place)
 
     def plan(x, cos, sin, position_ids, out, offset=None):
         if size >= config.PARALLEL_MIN_ELEMENTS or nbytes >= config.STREAMING_MIN_BYTES:
@@ -326,13 +327,21 @@ def cpu_plan(call, x, cos, position_ids) -> Any:
             x_view, out_view = x_view.view(x_storage), out_view.view(x_storage)
         if cache_storage is not None:
             cos, sin = cos.view(cache_storage), sin.view(cache_storage)
-        contiguous = (
+        contiguous = (  # C-contiguous arrays first: a flag is cheaper than the strides
+            x.flags.c_contiguous
+            and out.flags.c_contiguous
+            and cos.flags.c_contiguous
+            and sin.flags.c_contiguous
+        ) or (
             x.strides[-1] == x_item
             and out.strides[-1] == x_item
             and cos.strides[-1] == cache_item
             and sin.strides[-1] == cache_item
         )
-        serial = _cpu.kernels(interleaved, inverse, contiguous, in_place, words)[0]
+        serial = serials.get((contiguous, in_place))
+        if serial is None:
+            serial = _cpu.kernels(interleaved, inverse, contiguous, in_place, words)[0]
+            serials[contiguous, in_place] = serial
         status = serial(
             x_view, cos, sin, position_ids, out_view, rotary_dim, True, config.TOKENS_PER_TILE, 1
         )
@@ -391,6 +400,7 @@ def cpu_plan_qk(call, q_shape, k_shape, q, k, cos, position_ids) -> Any:
     nbytes = q.nbytes + k.nbytes
     to_bhsd = q.ndim == 3 or layout == "bshd"
     done = _cpu.DONE
+    serials: dict[tuple[bool, int], Any] = {}  # by (contiguous, in_place)
 
     def plan(q, k, cos, sin, position_ids, out_q, out_k, offset=None):
         if size >= config.PARALLEL_MIN_ELEMENTS or nbytes >= config.STREAMING_MIN_BYTES:
@@ -415,7 +425,14 @@ def cpu_plan_qk(call, q_shape, k_shape, q, k, cos, position_ids) -> Any:
             views = [v.view(storage) for v in views]
         if cache_storage is not None:
             cos, sin = cos.view(cache_storage), sin.view(cache_storage)
-        contiguous = (
+        contiguous = (  # C-contiguous arrays first: a flag is cheaper than the strides
+            q.flags.c_contiguous
+            and k.flags.c_contiguous
+            and out_q.flags.c_contiguous
+            and out_k.flags.c_contiguous
+            and cos.flags.c_contiguous
+            and sin.flags.c_contiguous
+        ) or (
             q.strides[-1] == item
             and k.strides[-1] == item
             and out_q.strides[-1] == item
@@ -423,7 +440,10 @@ def cpu_plan_qk(call, q_shape, k_shape, q, k, cos, position_ids) -> Any:
             and cos.strides[-1] == cache_item
             and sin.strides[-1] == cache_item
         )
-        serial = _cpu.kernels(interleaved, inverse, contiguous, in_place, words)[2]
+        serial = serials.get((contiguous, in_place))
+        if serial is None:
+            serial = _cpu.kernels(interleaved, inverse, contiguous, in_place, words)[2]
+            serials[contiguous, in_place] = serial
         status = serial(
             views[0],
             views[2],
