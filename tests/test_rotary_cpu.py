@@ -99,6 +99,64 @@ def test_parallel_kernel_equals_contract(rng, parallel_always, dtype):
     assert_bitwise_equal(got, float32_contract(x, cos, sin, ids, True, 16))
 
 
+def _broadcast_caches(batch, seq_len, half, dtype):
+    """Per-token caches as a user computes them from positions broadcast over the
+    batch: NumPy keeps the broadcast axis innermost but one, so they are not
+    C-contiguous (strides (half, batch * half, 1) elements)."""
+    positions = np.broadcast_to(np.arange(seq_len), (batch, seq_len)).astype(np.float64)
+    angles = positions[..., np.newaxis] * 10000.0 ** (-np.arange(half) / half)
+    cos, sin = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+    assert not cos.flags.c_contiguous and cos.strides[0] == half * cos.itemsize
+    return cos, sin
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_scattered_caches_of_a_large_call(rng, monkeypatch, parallel_always, dtype):
+    # Large calls (here: all, parallel_always) rotate from packed copies of such caches.
+    from numba_rope import _cpu
+
+    x = rng.standard_normal((3, 4, 9, 16)).astype(dtype)
+    k = rng.standard_normal((3, 2, 9, 16)).astype(dtype)
+    cos, sin = _broadcast_caches(3, 9, 8, dtype)
+    cos_before = cos.copy()
+    kernels, launched = _cpu.kernels, []
+
+    def recording(*options):
+        def wrap(kernel):
+            return lambda *args: launched.append(args) or kernel(*args)
+
+        return tuple(wrap(kernel) for kernel in kernels(*options))
+
+    monkeypatch.setattr(_cpu, "kernels", recording)
+    got = numba_rope.rotary_embedding(x, cos, sin)
+    assert_bitwise_equal(got, float32_contract(x, cos, sin, None))
+    got_q, got_k = numba_rope.rotary_embedding_qk(x, k, cos, sin)
+    assert_bitwise_equal(got_q, float32_contract(x, cos, sin, None))
+    assert_bitwise_equal(got_k, float32_contract(k, cos, sin, None))
+    assert_bitwise_equal(cos, cos_before)
+    assert not cos.flags.c_contiguous  # the caller's caches are left as they are
+    arrays = [a for args in launched for a in args if isinstance(a, np.ndarray)]
+    assert len(launched) == 2 and not any(np.shares_memory(a, cos) for a in arrays)
+
+
+def test_which_caches_are_packed(monkeypatch):
+    from numba_rope import _cpu, config
+
+    monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 1000)
+    cos, sin = _broadcast_caches(2, 8, 4, np.float32)  # 2 x 256 bytes
+    packed = _cpu.packed_caches(cos, sin, 1000, 2048)
+    assert all(p.flags.c_contiguous for p in packed)
+    assert_bitwise_equal(packed[0], cos)
+    assert_bitwise_equal(packed[1], sin)
+    # Not for small calls, nor for caches more than a quarter of the input's bytes
+    # (each row would serve few heads), nor when they already are C-contiguous.
+    assert _cpu.packed_caches(cos, sin, 999, 2048) == (cos, sin)
+    assert _cpu.packed_caches(cos, sin, 1000, 2047)[0] is cos
+    contiguous = (np.ascontiguousarray(cos), np.ascontiguousarray(sin))
+    packed = _cpu.packed_caches(*contiguous, 1000, 2048)
+    assert packed[0] is contiguous[0] and packed[1] is contiguous[1]
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_result_independent_of_thread_count(rng, parallel_always, threads):
     x, cos, sin, ids = make_case(rng, (2, 4, 33, 64), np.float32)
