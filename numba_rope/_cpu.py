@@ -19,7 +19,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils, errors
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from numba.np.arrayobj import populate_array
 
@@ -433,115 +433,63 @@ def _stream_copy(typingctx, x_row, out_row, start, end):
     return types.intp(x_row, out_row, start, end), codegen
 
 
-@intrinsic
-def _no_pairs(typingctx, x_row, cos_row, sin_row, out_row, half, sign):
-    """The vector step of rows that have none: no pairs done (returns 0)."""
-
-    def codegen(context, builder, signature, args):
-        return context.get_constant(types.intp, 0)
-
-    return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
-
-
-@intrinsic
-def _no_copy(typingctx, x_row, out_row, start, end):
-    """The streamed copy of rows that are not streamed: nothing copied (returns
-    ``start``)."""
-
-    def codegen(context, builder, signature, args):
-        return context.cast(builder, args[2], signature.args[2], types.intp)
-
-    return types.intp(x_row, out_row, start, end), codegen
-
-
-#: The vector step of a row by (interleaved, words, streaming); see :func:`_rotate_row`.
-_VECTOR_PAIRS = {
-    (False, True, False): _word_pairs,
-    (True, True, False): _word_interleaved_pairs,
-    (False, False, True): _stream_pairs,
-    (True, False, True): _stream_interleaved_pairs,
-    (False, True, True): _stream_word_pairs,
-    (True, True, True): _stream_word_interleaved_pairs,
-}
-
-
 @njit(cache=True, inline="always")
-def _pairs(x_row, cos_row, sin_row, out_row, first, half, sign):
-    """Rotate pairs ``first <= i < half`` of a row of non-interleaved pairs (element
-    ``i`` with element ``i + half``). Each pair is read before either of its elements
-    is written, so ``out_row`` may be ``x_row``. The indices are unsigned: numba then
-    emits no negative-index wrap-around, which would keep the loop from vectorizing."""
-    for pair in range(first, half):
-        i = np.uint64(pair)
-        i2 = np.uint64(pair + half)
-        y1, y2 = rotate_pair(
-            widen(x_row[i]), widen(x_row[i2]), widen(cos_row[i]), widen(sin_row[i]) * sign
-        )
-        out_row[i] = narrow_like(y1, out_row)
-        out_row[i2] = narrow_like(y2, out_row)
-
-
-@njit(cache=True, inline="always")
-def _interleaved_pairs(x_row, cos_row, sin_row, out_row, first, half, sign):
-    """:func:`_pairs` for interleaved pairs (elements ``2i`` and ``2i + 1``)."""
-    for pair in range(first, half):
-        i = np.uint64(pair)
-        i1 = np.uint64(2 * pair)
-        i2 = np.uint64(2 * pair + 1)
-        y1, y2 = rotate_pair(
-            widen(x_row[i1]), widen(x_row[i2]), widen(cos_row[i]), widen(sin_row[i]) * sign
-        )
-        out_row[i1] = narrow_like(y1, out_row)
-        out_row[i2] = narrow_like(y2, out_row)
-
-
 def _rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign, words, streaming):
-    """Rotate one row (``out_row`` may be ``x_row``); ``interleaved``, ``words`` and
-    ``streaming`` are compile-time constants (see the overload)."""
-    raise NotImplementedError  # pragma: no cover - see overload
+    """Rotate one row. Each pair is read before either of its elements is written, so
+    ``out_row`` may be ``x_row``.
 
+    The element loops below do any row, and LLVM vectorizes them. Two options hand
+    most pairs to intrinsics written in LLVM vectors first, leaving the element loops
+    what is left over: ``words`` (rows of bfloat16, caches included: two elements per
+    32-bit word, :func:`_word_pairs`, :func:`_word_interleaved_pairs`) and
+    ``streaming`` (non-temporal stores: :func:`_stream_pairs`,
+    :func:`_stream_interleaved_pairs`, and :func:`_stream_copy` for the channels past
+    ``rotary_dim``).
 
-def _flag(value) -> bool:
-    """The value of a compile-time boolean option of :func:`_rotate_row` (its literal
-    type)."""
-    if not isinstance(value, types.BooleanLiteral):
-        raise errors.TypingError(
-            f"_rotate_row: options must be compile-time constants, not {value}"
-        )
-    return value.literal_value
-
-
-@overload(_rotate_row, inline="always", prefer_literal=True)
-def _rotate_row_overload(
-    x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign, words, streaming
-):
-    # The options are constants of the kernel (literal types here), so the row code is
-    # chosen now and only that code is compiled: an element loop (:func:`_pairs`,
-    # :func:`_interleaved_pairs`, which LLVM vectorizes) and the channels past
-    # ``rotary_dim``. Two options hand most pairs to intrinsics written in LLVM
-    # vectors first, leaving the element loop what is left over: ``words`` (rows of
-    # bfloat16, caches included: two elements per 32-bit word, :func:`_word_pairs`,
-    # :func:`_word_interleaved_pairs`) and ``streaming`` (non-temporal stores:
-    # :func:`_stream_pairs`, :func:`_stream_interleaved_pairs`, and :func:`_stream_copy`
-    # for the channels past ``rotary_dim``). Choosing here, rather than by branches in
-    # an inlined numba function, keeps the other paths out of each kernel's compilation
-    # (numba inlines every branch of a function before it drops the dead ones).
-    options = (_flag(interleaved), _flag(words), _flag(streaming))
-    vector_pairs = _VECTOR_PAIRS.get(options, _no_pairs)
-    pairs = _interleaved_pairs if options[0] else _pairs
-    copy = _stream_copy if options[2] else _no_copy
-
-    def rotate_row(
-        x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign, words, streaming
-    ):
-        half = rotary_dim // 2
-        first = vector_pairs(x_row, cos_row, sin_row, out_row, half, sign)
-        pairs(x_row, cos_row, sin_row, out_row, first, half, sign)
-        for channel in range(copy(x_row, out_row, rotary_dim, x_row.shape[0]), x_row.shape[0]):
-            i = np.uint64(channel)
-            out_row[i] = x_row[i]
-
-    return rotate_row
+    Inlined into kernels where the options are constants, so that only the code in
+    use is compiled and a ``sign`` of +1 costs nothing. The indices are unsigned:
+    numba then emits no negative-index wrap-around, which would keep these loops from
+    vectorizing.
+    """
+    half = rotary_dim // 2
+    first = 0
+    if streaming and words and interleaved:
+        first = _stream_word_interleaved_pairs(x_row, cos_row, sin_row, out_row, half, sign)
+    elif streaming and words:
+        first = _stream_word_pairs(x_row, cos_row, sin_row, out_row, half, sign)
+    elif streaming and interleaved:
+        first = _stream_interleaved_pairs(x_row, cos_row, sin_row, out_row, half, sign)
+    elif streaming:
+        first = _stream_pairs(x_row, cos_row, sin_row, out_row, half, sign)
+    elif words and interleaved:
+        first = _word_interleaved_pairs(x_row, cos_row, sin_row, out_row, half, sign)
+    elif words:
+        first = _word_pairs(x_row, cos_row, sin_row, out_row, half, sign)
+    if interleaved:
+        for pair in range(first, half):
+            i = np.uint64(pair)
+            i1 = np.uint64(2 * pair)
+            i2 = np.uint64(2 * pair + 1)
+            y1, y2 = rotate_pair(
+                widen(x_row[i1]), widen(x_row[i2]), widen(cos_row[i]), widen(sin_row[i]) * sign
+            )
+            out_row[i1] = narrow_like(y1, out_row)
+            out_row[i2] = narrow_like(y2, out_row)
+    else:
+        for pair in range(first, half):
+            i = np.uint64(pair)
+            i2 = np.uint64(pair + half)
+            y1, y2 = rotate_pair(
+                widen(x_row[i]), widen(x_row[i2]), widen(cos_row[i]), widen(sin_row[i]) * sign
+            )
+            out_row[i] = narrow_like(y1, out_row)
+            out_row[i2] = narrow_like(y2, out_row)
+    copied = rotary_dim
+    if streaming:
+        copied = _stream_copy(x_row, out_row, rotary_dim, x_row.shape[0])
+    for channel in range(copied, x_row.shape[0]):
+        i = np.uint64(channel)
+        out_row[i] = x_row[i]
 
 
 def rows_contiguous(*arrays) -> bool:

@@ -205,20 +205,6 @@ def test_work_split_groups_heads_when_units_are_few(monkeypatch):
     assert _cpu.work_split(1, 32, 10, parallel=False) == (4, 1, 1)
 
 
-def test_row_options_must_be_compile_time_constants():
-    """A row's code is chosen when a kernel compiles: a run-time option is a typing
-    error, never a row that silently takes some default path."""
-    from numba_rope import _cpu
-
-    @numba.njit
-    def rotate(x, cos, out, interleaved):
-        _cpu._rotate_row(x, cos, cos, out, interleaved, x.shape[0], np.float32(1), False, False)
-
-    x = np.ones(4, np.float32)
-    with pytest.raises(numba.core.errors.TypingError, match="compile-time constants"):
-        rotate(x, x[:2], x.copy(), True)
-
-
 def test_default_threshold_routes_small_serial_and_large_parallel(rng, monkeypatch):
     from numba_rope import _cpu, config
 
