@@ -12,6 +12,7 @@ dtypes and position ids before any of them runs. float16 and bfloat16 arrays arr
 
 from __future__ import annotations
 
+import functools
 import platform
 import threading
 
@@ -214,9 +215,8 @@ def _stream_arguments(context, builder, signature, args):
     return rows, signature.args[0].dtype, signature.args[1].dtype, half, sign
 
 
-@intrinsic
-def _stream_pairs(typingctx, x_row, cos_row, sin_row, out_row, half, sign):
-    """Rotate the first ``n`` pairs of a row of ``half`` non-interleaved pairs, ``n`` =
+def _stream_pairs(x_row, cos_row, sin_row, out_row, half, sign):
+    """(Typing of :func:`_vector_pairs`.) Rotate the first ``n`` pairs of a row of ``half`` non-interleaved pairs, ``n`` =
     ``half`` rounded down to a multiple of :data:`STREAM_WIDTH`, and return ``n``.
 
     Written in LLVM vectors so that the stores can be non-temporal: the output goes to
@@ -259,8 +259,7 @@ _SECONDS = list(range(1, 2 * STREAM_WIDTH, 2))
 _INTERLEAVED = [lane for pair in range(STREAM_WIDTH) for lane in (pair, pair + STREAM_WIDTH)]
 
 
-@intrinsic
-def _stream_interleaved_pairs(typingctx, x_row, cos_row, sin_row, out_row, half, sign):
+def _stream_interleaved_pairs(x_row, cos_row, sin_row, out_row, half, sign):
     """:func:`_stream_pairs` for interleaved pairs (the output row must start on
     :data:`STREAM_ALIGNMENT` bytes): :data:`STREAM_WIDTH` pairs are loaded as one
     vector, split into firsts and seconds, and merged back after the rotation."""
@@ -288,26 +287,6 @@ def _stream_interleaved_pairs(typingctx, x_row, cos_row, sin_row, out_row, half,
         return count
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
-
-
-def _word_pairs_intrinsic(nontemporal: bool):
-    """:func:`_word_pairs`, with ordinary or non-temporal stores."""
-
-    def _word_pairs(typingctx, x_row, cos_row, sin_row, out_row, half, sign):
-        return _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign)
-
-    return intrinsic(_word_pairs)
-
-
-def _word_interleaved_pairs_intrinsic(nontemporal: bool):
-    """:func:`_word_interleaved_pairs`, with ordinary or non-temporal stores."""
-
-    def _word_interleaved_pairs(typingctx, x_row, cos_row, sin_row, out_row, half, sign):
-        return _word_interleaved_pairs_typing(
-            nontemporal, x_row, cos_row, sin_row, out_row, half, sign
-        )
-
-    return intrinsic(_word_interleaved_pairs)
 
 
 def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
@@ -374,11 +353,53 @@ def _word_interleaved_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
 
 
-#: The word loops (ordinary stores) and their streaming forms (non-temporal stores).
-_word_pairs = _word_pairs_intrinsic(False)
-_word_interleaved_pairs = _word_interleaved_pairs_intrinsic(False)
-_stream_word_pairs = _word_pairs_intrinsic(True)
-_stream_word_interleaved_pairs = _word_interleaved_pairs_intrinsic(True)
+#: The vector step of a row (typing functions) by (interleaved, words, streaming): the
+#: word loops (ordinary stores), their streaming forms (non-temporal stores) and the
+#: streaming element vectors; see :func:`_vector_pairs`.
+_VECTOR_PAIRS = {
+    (False, True, False): functools.partial(_word_pairs_typing, False),
+    (True, True, False): functools.partial(_word_interleaved_pairs_typing, False),
+    (False, True, True): functools.partial(_word_pairs_typing, True),
+    (True, True, True): functools.partial(_word_interleaved_pairs_typing, True),
+    (False, False, True): _stream_pairs,
+    (True, False, True): _stream_interleaved_pairs,
+}
+
+
+def _flag(value) -> bool | None:
+    """The value of a compile-time boolean option (its literal type), else None."""
+    return value.literal_value if isinstance(value, types.BooleanLiteral) else None
+
+
+@intrinsic(prefer_literal=True)
+def _vector_pairs(
+    typingctx, x_row, cos_row, sin_row, out_row, half, sign, interleaved, words, streaming
+):
+    """The vector step of a row: rotate its first ``n`` pairs and return ``n``, by the
+    loop that the constant options choose, or none (``n`` = 0), leaving the rest to
+    the element loops of :func:`_rotate_row`. One intrinsic whose typing picks the
+    code: numba inlines a function with every branch before it drops the dead ones, so
+    a chain of branches to six intrinsics cost every kernel's compilation."""
+    options = (_flag(interleaved), _flag(words), _flag(streaming))
+    if None in options:
+        return None  # the options must be compile-time constants
+    rows = (x_row, cos_row, sin_row, out_row, half, sign)
+    typing = _VECTOR_PAIRS.get(options)
+    if typing is None:
+
+        def codegen(context, builder, signature, args):
+            return context.get_constant(types.intp, 0)
+
+    else:
+        typed = typing(*rows)
+        if typed is None:
+            return None
+        inner_signature, inner_codegen = typed
+
+        def codegen(context, builder, signature, args):
+            return inner_codegen(context, builder, inner_signature, args[:6])
+
+    return types.intp(*rows, interleaved, words, streaming), codegen
 
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
@@ -405,14 +426,22 @@ def _store_fence(typingctx):
     return types.void(), codegen
 
 
-@intrinsic
-def _stream_copy(typingctx, x_row, out_row, start, end):
-    """Copy elements ``[start, m)`` of a row with non-temporal stores, ``m - start`` the
-    largest multiple of :data:`STREAM_WIDTH` up to ``end``, and return ``m`` (the
-    channels past ``rotary_dim``; element ``start`` of the output must be on
-    :data:`STREAM_ALIGNMENT` bytes)."""
+@intrinsic(prefer_literal=True)
+def _stream_copy(typingctx, x_row, out_row, start, end, streaming):
+    """With ``streaming`` (a constant): copy elements ``[start, m)`` of a row with
+    non-temporal stores, ``m - start`` the largest multiple of :data:`STREAM_WIDTH` up
+    to ``end``, and return ``m`` (the channels past ``rotary_dim``; element ``start``
+    of the output must be on :data:`STREAM_ALIGNMENT` bytes). Without: return
+    ``start``, copying nothing."""
     if not (isinstance(x_row, types.Array) and x_row.dtype == getattr(out_row, "dtype", None)):
         return None
+    if _flag(streaming) is None:
+        return None
+    signature = types.intp(x_row, out_row, start, end, streaming)
+    if not _flag(streaming):
+        return signature, lambda context, builder, signature, args: context.cast(
+            builder, args[2], signature.args[2], types.intp
+        )
 
     def codegen(context, builder, signature, args):
         x = context.make_array(signature.args[0])(context, builder, args[0])
@@ -430,7 +459,7 @@ def _stream_copy(typingctx, x_row, out_row, start, end):
             stored.set_metadata("nontemporal", stream.nontemporal)
         return builder.add(start, count)
 
-    return types.intp(x_row, out_row, start, end), codegen
+    return signature, codegen
 
 
 @njit(cache=True, inline="always")
@@ -439,12 +468,12 @@ def _rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign,
     ``out_row`` may be ``x_row``.
 
     The element loops below do any row, and LLVM vectorizes them. Two options hand
-    most pairs to intrinsics written in LLVM vectors first, leaving the element loops
-    what is left over: ``words`` (rows of bfloat16, caches included: two elements per
-    32-bit word, :func:`_word_pairs`, :func:`_word_interleaved_pairs`) and
-    ``streaming`` (non-temporal stores: :func:`_stream_pairs`,
-    :func:`_stream_interleaved_pairs`, and :func:`_stream_copy` for the channels past
-    ``rotary_dim``).
+    most pairs to loops written in LLVM vectors first (:func:`_vector_pairs`), leaving
+    the element loops what is left over: ``words`` (rows of bfloat16, caches included:
+    two elements per 32-bit word, :func:`_word_pairs_typing`,
+    :func:`_word_interleaved_pairs_typing`) and ``streaming`` (non-temporal stores:
+    :func:`_stream_pairs`, :func:`_stream_interleaved_pairs`, and :func:`_stream_copy`
+    for the channels past ``rotary_dim``).
 
     Inlined into kernels where the options are constants, so that only the code in
     use is compiled and a ``sign`` of +1 costs nothing. The indices are unsigned:
@@ -452,19 +481,9 @@ def _rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign,
     vectorizing.
     """
     half = rotary_dim // 2
-    first = 0
-    if streaming and words and interleaved:
-        first = _stream_word_interleaved_pairs(x_row, cos_row, sin_row, out_row, half, sign)
-    elif streaming and words:
-        first = _stream_word_pairs(x_row, cos_row, sin_row, out_row, half, sign)
-    elif streaming and interleaved:
-        first = _stream_interleaved_pairs(x_row, cos_row, sin_row, out_row, half, sign)
-    elif streaming:
-        first = _stream_pairs(x_row, cos_row, sin_row, out_row, half, sign)
-    elif words and interleaved:
-        first = _word_interleaved_pairs(x_row, cos_row, sin_row, out_row, half, sign)
-    elif words:
-        first = _word_pairs(x_row, cos_row, sin_row, out_row, half, sign)
+    first = _vector_pairs(
+        x_row, cos_row, sin_row, out_row, half, sign, interleaved, words, streaming
+    )
     if interleaved:
         for pair in range(first, half):
             i = np.uint64(pair)
@@ -484,9 +503,7 @@ def _rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign,
             )
             out_row[i] = narrow_like(y1, out_row)
             out_row[i2] = narrow_like(y2, out_row)
-    copied = rotary_dim
-    if streaming:
-        copied = _stream_copy(x_row, out_row, rotary_dim, x_row.shape[0])
+    copied = _stream_copy(x_row, out_row, rotary_dim, x_row.shape[0], streaming)
     for channel in range(copied, x_row.shape[0]):
         i = np.uint64(channel)
         out_row[i] = x_row[i]
@@ -1122,9 +1139,10 @@ def packed_caches(cos, sin, size: int, nbytes: int) -> tuple:
     broadcast over the batch) come out with strides ``(half, batch * half, 1)``
     elements: a tile's rows lie a power of two apart, fall into a few cache sets and
     are read again from L3 for every head. Packed, the batch prefill (8, 32, 1024,
-    128) with such caches took 7.4 instead of 15.0 ms in float16, 14.5 instead of 18.4
-    ms in float32 (copy of the input 9.0 / 28.6 ms, one process). Copying the caches
-    costs at most a quarter of a copy of the input, and changes no result.
+    128) with such caches took 7.6 instead of 15.0 ms in float16 and 15.0 instead of
+    18.4 ms in float32 (one process; with C-contiguous caches 6.1-7.4 and 12.9-14.5
+    ms). Copying the caches costs at most a quarter of a copy of the input, and
+    changes no result.
     """
     if size < config.PARALLEL_MIN_ELEMENTS or 4 * (cos.nbytes + sin.nbytes) > nbytes:
         return cos, sin
