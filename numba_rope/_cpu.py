@@ -216,8 +216,9 @@ def _stream_arguments(context, builder, signature, args):
 
 
 def _stream_pairs(x_row, cos_row, sin_row, out_row, half, sign):
-    """(Typing of :func:`_vector_pairs`.) Rotate the first ``n`` pairs of a row of ``half`` non-interleaved pairs, ``n`` =
-    ``half`` rounded down to a multiple of :data:`STREAM_WIDTH`, and return ``n``.
+    """Typing of a :func:`_vector_pairs` step: rotate the first ``n`` pairs of a row of
+    ``half`` non-interleaved pairs, ``n`` = ``half`` rounded down to a multiple of
+    :data:`STREAM_WIDTH`, and return ``n``.
 
     Written in LLVM vectors so that the stores can be non-temporal: the output goes to
     memory without first being read into the cache (a third of the memory traffic of

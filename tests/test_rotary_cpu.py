@@ -99,6 +99,27 @@ def test_parallel_kernel_equals_contract(rng, parallel_always, dtype):
     assert_bitwise_equal(got, float32_contract(x, cos, sin, ids, True, 16))
 
 
+def test_row_options_must_be_compile_time_constants():
+    """A row's vector step is chosen when a kernel compiles: a run-time option is a
+    typing error, never a row that silently takes some other path."""
+    from numba_rope import _cpu
+
+    @numba.njit
+    def rotate(x, cos, out, streaming):
+        _cpu._rotate_row(x, cos, cos, out, False, x.shape[0], np.float32(1), False, streaming)
+
+    @numba.njit
+    def rotate_constant(x, cos, out):
+        _cpu._rotate_row(x, cos, cos, out, False, x.shape[0], np.float32(1), False, False)
+
+    x = np.ones(16, np.float32)
+    out = np.empty_like(x)
+    rotate_constant(x, x[:8], out)  # pairs (1, 1) by cos = sin = 1: (1 - 1, 1 + 1)
+    assert np.array_equal(out, np.repeat(np.float32([0, 2]), 8))
+    with pytest.raises(numba.core.errors.TypingError, match="_vector_pairs"):
+        rotate(x, x[:8], x.copy(), True)
+
+
 def _broadcast_caches(batch, seq_len, half, dtype):
     """Per-token caches as a user computes them from positions broadcast over the
     batch: NumPy keeps the broadcast axis innermost but one, so they are not
