@@ -136,12 +136,16 @@ class _Stream:
         )
         return widen_code(self.builder, numba_type, loaded)
 
-    def store(self, value, array, index, numba_type, lanes=STREAM_WIDTH):
-        stored = self.builder.store(
-            narrow_code(self.builder, numba_type, value), self.pointer(array, index, lanes)
-        )
+    def nontemporal_store(self, value, pointer):
+        """A non-temporal store, on :data:`STREAM_ALIGNMENT` bytes (which the caller
+        guarantees)."""
+        stored = self.builder.store(value, pointer)
         stored.align = STREAM_ALIGNMENT
         stored.set_metadata("nontemporal", self.nontemporal)
+
+    def store(self, value, array, index, numba_type, lanes=STREAM_WIDTH):
+        narrowed = narrow_code(self.builder, numba_type, value)
+        self.nontemporal_store(narrowed, self.pointer(array, index, lanes))
 
     def word_pointer(self, array, index):
         """:data:`STREAM_WIDTH` 32-bit words of 16-bit storage from element ``index``."""
@@ -152,13 +156,11 @@ class _Stream:
         return self.builder.load(self.word_pointer(array, index), align=2)
 
     def store_words(self, words, array, index, nontemporal):
-        """An ordinary store, or a non-temporal one (then on :data:`STREAM_ALIGNMENT`
-        bytes, which the caller guarantees)."""
-        stored = self.builder.store(words, self.word_pointer(array, index))
-        stored.align = 2
+        """An ordinary store, or a non-temporal one (:meth:`nontemporal_store`)."""
         if nontemporal:
-            stored.align = STREAM_ALIGNMENT
-            stored.set_metadata("nontemporal", self.nontemporal)
+            self.nontemporal_store(words, self.word_pointer(array, index))
+        else:
+            self.builder.store(words, self.word_pointer(array, index)).align = 2
 
     def splat(self, value):
         vector = ir.Constant(ir.VectorType(value.type, STREAM_WIDTH), ir.Undefined)
@@ -327,7 +329,7 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
 
 
 def _word_interleaved_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
-    """:func:`_word_pairs` for interleaved pairs: word ``i`` of a row holds pair ``i``
+    """:func:`_word_pairs_typing` for interleaved pairs: word ``i`` of a row holds pair ``i``
     (``x1`` low, ``x2`` high), in and out; :data:`STREAM_WIDTH` pairs a step."""
     if not _word_typing(x_row, cos_row, sin_row, out_row):
         return None
@@ -452,12 +454,8 @@ def _stream_copy(typingctx, x_row, out_row, start, end, streaming):
         stream = _Stream(context, builder)
         count = stream.steps(builder.sub(end, start))
         with stream.loop(start, count, STREAM_WIDTH) as (index, _):
-            stored = builder.store(
-                builder.load(stream.pointer(x, index, STREAM_WIDTH), align=1),
-                stream.pointer(out, index, STREAM_WIDTH),
-            )
-            stored.align = STREAM_ALIGNMENT
-            stored.set_metadata("nontemporal", stream.nontemporal)
+            loaded = builder.load(stream.pointer(x, index, STREAM_WIDTH), align=1)
+            stream.nontemporal_store(loaded, stream.pointer(out, index, STREAM_WIDTH))
         return builder.add(start, count)
 
     return signature, codegen
@@ -476,8 +474,9 @@ def _rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign,
     :func:`_stream_pairs`, :func:`_stream_interleaved_pairs`, and :func:`_stream_copy`
     for the channels past ``rotary_dim``).
 
-    Inlined into kernels where the options are constants, so that only the code in
-    use is compiled and a ``sign`` of +1 costs nothing. The indices are unsigned:
+    Inlined into kernels where the options are constants: :func:`_vector_pairs` and
+    :func:`_stream_copy` emit only the code they choose, LLVM drops the element loop
+    not in use, and a ``sign`` of +1 costs nothing. The indices are unsigned:
     numba then emits no negative-index wrap-around, which would keep these loops from
     vectorizing.
     """
@@ -627,8 +626,8 @@ def _make_kernels(
     they are slices (slower: each slice updates a shared reference count).
     ``words``: the rows are contiguous bfloat16 rows, caches included, rotated two
     elements per 32-bit word (see :func:`_rotate_row`).
-    ``streaming``: contiguous, non-interleaved rows whose output is written with
-    non-temporal stores (see :func:`_stream_pairs` and :func:`streaming`).
+    ``streaming``: contiguous rows whose output is written with non-temporal stores
+    (see :func:`_vector_pairs`, :func:`_stream_copy` and :func:`streaming`).
     ``in_place``: which outputs are their inputs themselves, a sum of
     :data:`X_IN_PLACE` (the input, or q for the q+k kernels) and :data:`K_IN_PLACE`.
     The kernel then reads and writes through the very same array, so that LLVM sees
