@@ -10,7 +10,12 @@ What is measured, and how:
   ``FAILED`` and not timed. The copies are checked to reproduce the input bit for bit.
 * Times are medians (and 95th percentiles) of ``perf_counter`` samples after warm-up.
   Small workloads (``batched``) time batches of calls and report the per-call time of
-  each batch, so the timer's resolution and overhead do not dominate.
+  each batch, so the timer's resolution and overhead do not dominate; with
+  ``single_calls`` every sample is one call, and the 95th percentile is then the
+  latency of a single call (issue 5's decode target).
+* With ``busy``, another process spins on one core while everything is timed (see
+  :func:`busy_loop`): small calls must not stall when the machine's other cores are
+  taken.
 * Bytes that RoPE must move: the input read, the output written, and each distinct
   cache row read once (cos and sin). GB/s is those bytes over the median time.
 * The floor is a copy of the input into a preallocated array of the same shape: a
@@ -24,14 +29,16 @@ target on ``device="cuda"``, torch when its peer is prepared.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
@@ -784,6 +791,8 @@ class Settings:
     warmup: int = 2
     batch_seconds: float = BATCH_SECONDS
     budget_seconds: float = 5.0
+    single_calls: bool = False  # every sample one call, also on the batched workloads
+    busy: bool = False  # a process spins on one core while timing (busy_loop)
 
     @classmethod
     def quick(cls, **changes: Any) -> Settings:
@@ -834,6 +843,38 @@ def environment(threads: int) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def busy_loop(enabled: bool = True) -> Iterator[subprocess.Popen | None]:
+    """Keep one core busy for the duration of the block: a Python process spinning in
+    an endless loop, killed and reaped when the block ends (or raises). Yields the
+    process, or None (and starts nothing) when not ``enabled``.
+
+    What it shows: a call that waits for another thread stalls until the scheduler
+    gives that thread a core, milliseconds on a machine whose other cores are taken;
+    numba_rope's small calls run on the calling thread and should not.
+
+    >>> with busy_loop() as process:
+    ...     process.poll() is None
+    True
+    >>> process.poll() is None
+    False
+    """
+    if not enabled:
+        yield None
+        return
+    process = subprocess.Popen(
+        [sys.executable, "-c", "while True: pass"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.wait()
+
+
 def _progress_printer(stream: TextIO | None) -> Callable[[str], None]:
     if stream is None:
         return lambda message: None
@@ -872,6 +913,24 @@ def run(
     )
     show = _progress_printer(progress)
     total = len(settings.workloads) * len(settings.dtypes) * len(candidates)
+    with busy_loop(settings.busy):
+        _run_cases(settings, tgt, threads, candidates, report, show, total)
+    show(f"[{total}/{total}] done")
+    if progress is not None and progress.isatty():
+        progress.write("\n")
+    return report
+
+
+def _run_cases(
+    settings: Settings,
+    tgt: Any,
+    threads: int,
+    candidates: list[Implementation],
+    report: Report,
+    show: Callable[[str], None],
+    total: int,
+) -> None:
+    """The loop of :func:`run` over workloads, dtypes and implementations."""
     step = 0
     for workload_name in settings.workloads:
         workload = WORKLOADS[workload_name]
@@ -895,10 +954,6 @@ def run(
                         result.ratio_to_copy = result.median_s / floor
                 report.results.append(result)
             del case, expected
-    show(f"[{total}/{total}] done")
-    if progress is not None and progress.isatty():
-        progress.write("\n")
-    return report
 
 
 def measure(
@@ -934,10 +989,11 @@ def measure(
     if not ok:
         result.status, result.reason = "FAILED", reason
         return result
+    batched = case.workload.batched and not settings.single_calls
     timing = time_calls(
         prepared.call,
         settings.repeats,
-        batch_seconds=settings.batch_seconds if case.workload.batched else 0.0,
+        batch_seconds=settings.batch_seconds if batched else 0.0,
         warmup=settings.warmup,
         budget_seconds=settings.budget_seconds,
     )
@@ -970,12 +1026,14 @@ def _load(value: float | None) -> str:
 def format_table(report: Report) -> str:
     """The results as a text table, one row per (workload, dtype, implementation)."""
     env = report.environment
+    sampled = "single calls" if report.settings.get("single_calls") else "samples"
+    busy = ", a busy loop on another core" if report.settings.get("busy") else ""
     lines = [
         f"numba_rope {env['numba_rope']} on {report.settings['device']}: numba {env['numba']}, "
         f"numpy {env['numpy']}, {env['numba_threads']} threads "
         f"({env['numba_threading_layer'] or 'no parallel region run'}), "
-        f"median of up to {report.settings['repeats']} samples, "
-        f"load average {_load(env.get('load_average_1min'))} at the start",
+        f"median of up to {report.settings['repeats']} {sampled}, "
+        f"load average {_load(env.get('load_average_1min'))} at the start{busy}",
         "GB/s: input read + output written + distinct cache rows read, over the median; "
         "ratio: median / fastest copy (1.0 = copy speed)",
     ]

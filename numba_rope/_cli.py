@@ -159,6 +159,17 @@ def add_bench_parser(commands) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="3 samples and short budgets: a smoke test"
     )
+    parser.add_argument(
+        "--single-calls",
+        action="store_true",
+        help="time every call on its own, so that p95 is the latency of one call "
+        "(default: the small workloads time batches of calls)",
+    )
+    parser.add_argument(
+        "--busy",
+        action="store_true",
+        help="keep one core busy (a spinning process) while timing",
+    )
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument(
         "--plot", metavar="FILE.png", help="draw GB/s per workload (needs matplotlib)"
@@ -177,6 +188,8 @@ def bench(args: argparse.Namespace) -> int:
             return 2
     chosen = {"device": args.device, "dtypes": args.dtypes, "workloads": args.workloads}
     chosen["threads"] = args.threads
+    chosen["single_calls"] = args.single_calls
+    chosen["busy"] = args.busy
     settings = _bench.Settings.quick(**chosen) if args.quick else _bench.Settings(**chosen)
     if args.repeats is not None:
         settings.repeats = args.repeats

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -424,3 +426,56 @@ def test_asv_check_accepts_the_suite():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "No problems found" in result.stdout, result.stdout
+
+
+# ---------------------------------------------------------------- latency on a busy core
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as stream:
+        fields = stream.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_busy_loop_spins_only_inside_its_block():
+    with _bench.busy_loop() as process:
+        assert process is not None and process.poll() is None
+        if os.path.exists(f"/proc/{process.pid}/stat"):  # Linux: it takes a core
+            before = _cpu_seconds(process.pid)
+            time.sleep(0.5)
+            assert _cpu_seconds(process.pid) - before > 0.05
+    assert process.poll() is not None  # killed and reaped
+    with pytest.raises(RuntimeError), _bench.busy_loop() as raised_in:
+        raise RuntimeError("the block fails")
+    assert raised_in is not None and raised_in.poll() is not None
+    with _bench.busy_loop(False) as nothing:
+        assert nothing is None
+
+
+def test_bench_single_calls_with_a_busy_core(monkeypatch, tmp_path, capsys, quick_report):
+    spun = []
+    real_busy_loop = _bench.busy_loop
+
+    @contextlib.contextmanager
+    def watched(enabled=True):
+        with real_busy_loop(enabled) as process:
+            spun.append(process is not None and process.poll() is None)
+            yield process
+
+    monkeypatch.setattr(_bench, "busy_loop", watched)
+    path = tmp_path / "bench.json"
+    arguments = ["bench", "--quick", "--workloads", "seed", "--dtypes", "float32"]
+    code = _cli.main([*arguments, "--single-calls", "--busy", "--json", str(path)])
+    assert code == 0 and spun == [True]
+    data = json.loads(path.read_text())
+    assert data["settings"]["single_calls"] is True and data["settings"]["busy"] is True
+    timed = [r for r in data["results"] if r["median_s"] is not None]
+    assert len(timed) >= 4 and all(r["calls_per_sample"] == 1 for r in timed)
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "single calls" in header and "a busy loop on another core" in header
+    # Without the options the same small workload times batches of calls, on idle cores.
+    _, batched = quick_report
+    assert batched["settings"]["single_calls"] is False and batched["settings"]["busy"] is False
+    copy = next(r for r in batched["results"] if r["implementation"] == "np.copyto (1 thread)")
+    assert copy["calls_per_sample"] > 1
