@@ -914,46 +914,37 @@ def run(
     show = _progress_printer(progress)
     total = len(settings.workloads) * len(settings.dtypes) * len(candidates)
     with busy_loop(settings.busy):
-        _run_cases(settings, tgt, threads, candidates, report, show, total)
+        step = 0
+        for workload_name in settings.workloads:
+            workload = WORKLOADS[workload_name]
+            for dtype_name in settings.dtypes:
+                show(
+                    f"[{step}/{total}] {workload_name} {dtype_name}: building data and reference..."
+                )
+                case = make_case(workload, dtype_name)
+                expected = reference.rotary_embedding(
+                    case.input, case.cos_cache, case.sin_cache, case.position_ids, **case.options
+                )
+                floor: float | None = None
+                for implementation in candidates:
+                    step += 1
+                    show(f"[{step}/{total}] {workload_name} {dtype_name} {implementation.name}...")
+                    result = measure(implementation, case, expected, tgt, threads, settings, report)
+                    if result is None:
+                        continue
+                    if result.median_s is not None:
+                        if implementation.kind == "copy":
+                            floor = (
+                                result.median_s if floor is None else min(floor, result.median_s)
+                            )
+                        elif floor is not None:
+                            result.ratio_to_copy = result.median_s / floor
+                    report.results.append(result)
+                del case, expected
     show(f"[{total}/{total}] done")
     if progress is not None and progress.isatty():
         progress.write("\n")
     return report
-
-
-def _run_cases(
-    settings: Settings,
-    tgt: Any,
-    threads: int,
-    candidates: list[Implementation],
-    report: Report,
-    show: Callable[[str], None],
-    total: int,
-) -> None:
-    """The loop of :func:`run` over workloads, dtypes and implementations."""
-    step = 0
-    for workload_name in settings.workloads:
-        workload = WORKLOADS[workload_name]
-        for dtype_name in settings.dtypes:
-            show(f"[{step}/{total}] {workload_name} {dtype_name}: building data and reference...")
-            case = make_case(workload, dtype_name)
-            expected = reference.rotary_embedding(
-                case.input, case.cos_cache, case.sin_cache, case.position_ids, **case.options
-            )
-            floor: float | None = None
-            for implementation in candidates:
-                step += 1
-                show(f"[{step}/{total}] {workload_name} {dtype_name} {implementation.name}...")
-                result = measure(implementation, case, expected, tgt, threads, settings, report)
-                if result is None:
-                    continue
-                if result.median_s is not None:
-                    if implementation.kind == "copy":
-                        floor = result.median_s if floor is None else min(floor, result.median_s)
-                    elif floor is not None:
-                        result.ratio_to_copy = result.median_s / floor
-                report.results.append(result)
-            del case, expected
 
 
 def measure(

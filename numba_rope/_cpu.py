@@ -144,6 +144,7 @@ class _Stream:
         stored.set_metadata("nontemporal", self.nontemporal)
 
     def store(self, value, array, index, numba_type, lanes=STREAM_WIDTH):
+        """``value`` narrowed to ``numba_type``, stored non-temporally at ``index``."""
         narrowed = narrow_code(self.builder, numba_type, value)
         self.nontemporal_store(narrowed, self.pointer(array, index, lanes))
 
