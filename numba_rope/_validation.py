@@ -1,14 +1,21 @@
-"""Every check of a call, in one place, before any kernel runs.
+"""Every check of a call's arguments, in one place, before any kernel runs.
 
-The checks see only shapes and dtypes (NumPy dtype objects, whatever the device), so
-the same rules and the same messages hold on the CPU and on the GPU. Each error says
-what is wrong, the value received and what would be accepted.
+The checks see only descriptions of the arrays (shape, dtype as a NumPy dtype, and for
+outputs whether they are writeable), whatever the device, so the same rules and the
+same messages hold on the CPU and on the GPU. Each error says what is wrong, the value
+received and what would be accepted. A call that passes is described by one
+:class:`Call` record, which the backends read by name.
+
+Errors that depend on the values in the arrays (a position id outside the caches) are
+found by the kernels; their messages are built here too (:func:`position_error`,
+:func:`offset_error`) and raised by the backend that launched the kernel.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,16 +31,92 @@ CACHE_DTYPES = {
     "float64": ("float64", "float32"),
 }
 
+#: Memory layouts of 4-D input: TensorRT/ONNX's, and Hugging Face / flash-attn / vLLM's.
+LAYOUTS = ("bhsd", "bshd")
 
-def check_dtype(dtype: np.dtype) -> str:
-    """Return the name of a supported input dtype, or raise ``TypeError``."""
-    name = dtype.name
-    if name not in INPUT_DTYPES:
+#: What the kernels take for positions, by what the caller passed: caches indexed by
+#: token (no positions), 2-D position ids, one offset for the batch, an offset per entry.
+POSITION_KINDS = ("token", "ids", "offset", "offsets")
+
+#: Argument names of the two public functions, in the order of their descriptions.
+SINGLE_NAMES = (("input",), ("out",))
+QK_NAMES = (("q", "k"), ("out_q", "out_k"))
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """A validated call, for one tensor (``rotary_embedding``) or several
+    (``rotary_embedding_qk``: q and k), read by name.
+
+    ``shapes`` holds each tensor's logical ``[batch, num_heads, seq_len, head_size]``;
+    the tensors share batch, sequence length, head size and dtype, and may differ in
+    heads. ``positions`` is one of :data:`POSITION_KINDS`; ``n_positions`` is the
+    number of cache rows that position ids and offsets index (the caches' first axis).
+    """
+
+    dtype: np.dtype
+    cache_dtype: np.dtype
+    shapes: tuple[tuple[int, int, int, int], ...]
+    layout: str
+    interleaved: bool
+    rotary_dim: int
+    inverse: bool
+    positions: str
+    n_positions: int
+
+    @property
+    def batch(self) -> int:
+        return self.shapes[0][0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.shapes[0][2]
+
+
+#: ``(shape, dtype)`` of an argument, or None when it is absent; outputs carry a third
+#: item, whether they are writeable.
+Description = tuple[Any, ...] | None
+
+
+def check_devices(names: list[str], type_names: list[str], devices: list[str | None]) -> str:
+    """The one device of a call's given arguments (``"cpu"`` or ``"cuda"``), from each
+    argument's device as the dispatch table reads it (None: not an array the operator
+    takes); else ``TypeError`` naming the argument and where it is."""
+    for name, type_name, device in zip(names, type_names, devices, strict=True):
+        if device is None:
+            where = " on the CPU" if type_name.startswith("torch.") else ""
+            raise TypeError(
+                f"{name} is a {type_name}{where}; rotary_embedding accepts NumPy arrays "
+                f"(convert with numpy.asarray), or arrays on an NVIDIA GPU: CuPy arrays, "
+                f"Numba device arrays and torch CUDA tensors"
+            )
+    on_gpu = [name for name, device in zip(names, devices, strict=True) if device == "cuda"]
+    if not on_gpu:
+        return "cpu"
+    on_host = [name for name, device in zip(names, devices, strict=True) if device == "cpu"]
+    if on_host:
+        places = {
+            name: "a NumPy array on the host" if device == "cpu" else f"on the GPU ({type_name})"
+            for name, type_name, device in zip(names, type_names, devices, strict=True)
+        }
         raise TypeError(
-            f"input has dtype {name}; rotary_embedding accepts {', '.join(INPUT_DTYPES)} "
-            f"(bfloat16 as ml_dtypes.bfloat16); convert it with .astype(np.float32)"
+            "all arrays of a call must be on one device, but "
+            + "; ".join(f"{name} is {places[name]}" for name in on_gpu + on_host)
+            + f". Move {', '.join(on_host)} to the GPU (numba.cuda.to_device, cupy.asarray, "
+            f"torch.as_tensor(..., device='cuda')) or {', '.join(on_gpu)} to the host"
         )
-    return name
+    return "cuda"
+
+
+def check_dtype(dtype: np.dtype, name: str = "input") -> str:
+    """Return the name of a supported input dtype, or raise ``TypeError``."""
+    if dtype.name not in INPUT_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {dtype.name}; rotary_embedding accepts "
+            f"{', '.join(INPUT_DTYPES)} (bfloat16 as ml_dtypes.bfloat16); convert it with "
+            f".astype(np.float32)"
+        )
+    return dtype.name
 
 
 def check_rotary_dim(rotary_embedding_dim: Any, head_size: int) -> int:
@@ -69,65 +152,54 @@ def check_rotary_dim(rotary_embedding_dim: Any, head_size: int) -> int:
     return rotary_dim
 
 
-def check_interleaved(interleaved: Any) -> bool:
-    if not isinstance(interleaved, (bool, np.bool_)):
-        raise TypeError(f"interleaved must be True or False, got {interleaved!r}")
-    return bool(interleaved)
+def check_flag(value: Any, name: str) -> bool:
+    """An option that must be a bool (NumPy's included), or ``TypeError``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
 
 
-def check_call(*arguments: Any) -> tuple[bool, int, bool, tuple[int, ...]]:
-    """Check one call of ``rotary_embedding`` (see :func:`_check_call`).
-
-    A call is described by shapes, dtypes and two scalars, so the verdict is
-    remembered: repeated calls of the same signature skip the checks. Arguments that
-    cannot be hashed go to the plain check, which explains what is wrong with them.
-    """
+def _check_num_heads(num_heads: Any, name: str) -> int | None:
+    if num_heads is None:
+        return None
+    if isinstance(num_heads, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a positive integer, got {num_heads!r}")
     try:
-        return _check_call_remembered(*arguments)
+        num_heads = operator.index(num_heads)
     except TypeError:
-        return _check_call(*arguments)
+        raise TypeError(f"{name} must be a positive integer, got {num_heads!r}") from None
+    if num_heads <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {num_heads}")
+    return num_heads
 
 
-#: Memory layouts of 4-D input: TensorRT/ONNX's, and Hugging Face / flash-attn / vLLM's.
-LAYOUTS = ("bhsd", "bshd")
-
-
-def logical_shape(input_shape: tuple[int, ...], layout: Any, num_heads: Any) -> tuple[int, ...]:
+def logical_shape(
+    input_shape: tuple[int, ...], layout: Any, num_heads: Any, heads_name: str = "num_heads"
+) -> tuple[int, int, int, int]:
     """The input's ``[batch, num_heads, seq_len, head_size]`` for any accepted form."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if num_heads is not None:
-        if isinstance(num_heads, (bool, np.bool_)):
-            raise TypeError(f"num_heads must be a positive integer, got {num_heads!r}")
-        try:
-            num_heads = operator.index(num_heads)
-        except TypeError:
-            raise TypeError(f"num_heads must be a positive integer, got {num_heads!r}") from None
-        if num_heads <= 0:
-            raise ValueError(f"num_heads must be a positive integer, got {num_heads}")
+    num_heads = _check_num_heads(num_heads, heads_name)
     if len(input_shape) == 4:
-        if layout == "bhsd":
-            shape = tuple(input_shape)
-        else:
-            batch, seq_len, heads, head_size = input_shape
-            shape = (batch, heads, seq_len, head_size)
-        if num_heads is not None and num_heads != shape[1]:
+        batch, second, third, head_size = input_shape
+        heads, seq_len = (second, third) if layout == "bhsd" else (third, second)
+        if num_heads is not None and num_heads != heads:
             raise ValueError(
-                f"num_heads={num_heads} contradicts the {layout} input of shape "
-                f"{tuple(input_shape)}, which has {shape[1]} heads; omit num_heads for 4-D input"
+                f"{heads_name}={num_heads} contradicts the {layout} input of shape "
+                f"{tuple(input_shape)}, which has {heads} heads; omit {heads_name} for 4-D input"
             )
-        return shape
+        return (batch, heads, seq_len, head_size)
     if len(input_shape) == 3:
         batch, seq_len, hidden = input_shape
         if num_heads is None:
             raise ValueError(
                 f"3-D input [batch, seq_len, num_heads * head_size] (shape "
-                f"{tuple(input_shape)}) needs num_heads= to split its last dimension"
+                f"{tuple(input_shape)}) needs {heads_name}= to split its last dimension"
             )
         if hidden % num_heads:
             raise ValueError(
                 f"the last dimension {hidden} of 3-D input is not a multiple of "
-                f"num_heads={num_heads}"
+                f"{heads_name}={num_heads}"
             )
         return (batch, num_heads, seq_len, hidden // num_heads)
     raise ValueError(
@@ -137,64 +209,28 @@ def logical_shape(input_shape: tuple[int, ...], layout: Any, num_heads: Any) -> 
     )
 
 
-def check_qk(q_shape, q_dtype, k_shape, k_dtype) -> None:
-    """q and k of one fused call: same batch, sequence, head size and dtype."""
-    if q_dtype != k_dtype:
-        raise TypeError(f"q and k must have one dtype, got {q_dtype.name} and {k_dtype.name}")
-    for axis, name in ((0, "batch"), (2, "seq_len"), (3, "head_size")):
-        if q_shape[axis] != k_shape[axis]:
-            raise ValueError(
-                f"q and k must have the same {name}, got {q_shape[axis]} and {k_shape[axis]} "
-                f"(as [batch, num_heads, seq_len, head_size]: {tuple(q_shape)} and "
-                f"{tuple(k_shape)}); only the number of heads may differ"
+def _check_same_tensor_form(names, shapes, dtypes) -> None:
+    """Several tensors of one call (q and k): one dtype; the same batch, sequence
+    length and head size. Checked before anything is compared with the second."""
+    first, *others = range(len(names))
+    for other in others:
+        if dtypes[other] != dtypes[first]:
+            raise TypeError(
+                f"{names[first]} and {names[other]} must have one dtype, got "
+                f"{dtypes[first].name} and {dtypes[other].name}"
             )
+        for axis, what in ((0, "batch"), (2, "seq_len"), (3, "head_size")):
+            if shapes[first][axis] != shapes[other][axis]:
+                raise ValueError(
+                    f"{names[first]} and {names[other]} must have the same {what}, got "
+                    f"{shapes[first][axis]} and {shapes[other][axis]} (as [batch, num_heads, "
+                    f"seq_len, head_size]: {shapes[first]} and {shapes[other]}); only the "
+                    f"number of heads may differ"
+                )
 
 
-def offset_error(batch_index: int | None, value: int, seq_len: int, n_positions: int) -> IndexError:
-    """The ``IndexError`` for an offset whose positions leave the caches."""
-    where = "position_offset" if batch_index is None else f"position_offset[{batch_index}]"
-    return IndexError(
-        f"{where} = {value} puts positions {value}..{value + seq_len - 1} of the sequence "
-        f"outside the caches, which have {n_positions} rows: offsets must lie in [0, "
-        f"{n_positions - seq_len}] for seq_len {seq_len}"
-    )
-
-
-def _check_call(
-    input_shape: tuple[int, ...],
-    input_dtype: np.dtype,
-    cos_shape: tuple[int, ...],
-    cos_dtype: np.dtype,
-    sin_shape: tuple[int, ...],
-    sin_dtype: np.dtype,
-    ids_shape: tuple[int, ...] | None,
-    ids_dtype: np.dtype | None,
-    out_shape: tuple[int, ...] | None,
-    out_dtype: np.dtype | None,
-    interleaved: Any,
-    rotary_embedding_dim: Any,
-    layout: Any = "bhsd",
-    num_heads: Any = None,
-    offset_shape: tuple[int, ...] | None = None,
-    offset_dtype: np.dtype | None = None,
-    inverse: Any = False,
-) -> tuple[bool, int, bool, tuple[int, ...]]:
-    """Check one call of ``rotary_embedding``.
-
-    Returns ``(interleaved, rotary_dim, inverse, shape)``, where ``shape`` is the input's
-    logical ``[batch, num_heads, seq_len, head_size]``. Shapes are tuples and dtypes
-    NumPy dtypes; ``ids_*``, ``out_*`` and ``offset_*`` are None when the argument is
-    absent (a scalar offset has shape ``()``).
-    """
-    dtype_name = check_dtype(input_dtype)
-    shape = logical_shape(input_shape, layout, num_heads)
-    batch, _, seq_len, head_size = shape
-    interleaved = check_interleaved(interleaved)
-    if not isinstance(inverse, (bool, np.bool_)):
-        raise TypeError(f"inverse must be True or False, got {inverse!r}")
-    rotary_dim = check_rotary_dim(rotary_embedding_dim, head_size)
-    half = rotary_dim // 2
-
+def _check_caches(cos, sin, dtype_name: str):
+    (cos_shape, cos_dtype), (sin_shape, sin_dtype) = cos, sin
     if cos_dtype != sin_dtype:
         raise TypeError(
             f"cos_cache and sin_cache must have the same dtype, got {cos_dtype.name} and "
@@ -212,13 +248,17 @@ def _check_call(
             f"{tuple(sin_shape)}"
         )
 
-    if ids_shape is not None and offset_shape is not None:
+
+def _check_positions(ids, offset, cos_shape, batch: int, seq_len: int, half: int) -> str:
+    """Position ids or offsets against the caches; returns the kind of positions."""
+    if ids is not None and offset is not None:
         raise ValueError(
             "pass position_ids or position_offset, not both: an offset stands for the ids "
             "offset + arange(seq_len)"
         )
-    if offset_shape is not None:
-        assert offset_dtype is not None
+    kind = "token"
+    if offset is not None:
+        offset_shape, offset_dtype = offset
         if offset_dtype.kind not in "iu":
             raise TypeError(
                 f"position_offset must be an integer or an integer array of shape [batch], "
@@ -229,54 +269,166 @@ def _check_call(
                 f"position_offset must be an integer or have shape [batch] = ({batch},), got "
                 f"shape {tuple(offset_shape)}"
             )
-    if ids_shape is None and offset_shape is None:
+        kind = "offset" if tuple(offset_shape) == () else "offsets"
+    if ids is not None:
+        ids_shape, ids_dtype = ids
+        if ids_dtype.kind not in "iu":
+            raise TypeError(
+                f"position_ids must be an integer array (int64 or int32), got dtype "
+                f"{ids_dtype.name}"
+            )
+        if tuple(ids_shape) != (batch, seq_len):
+            raise ValueError(
+                f"position_ids must have shape [batch, seq_len] = {(batch, seq_len)}, got "
+                f"{tuple(ids_shape)}"
+            )
+        kind = "ids"
+    if kind == "token":
         if len(cos_shape) != 3:
             raise ValueError(
                 f"without position_ids the caches must be 3-D [batch, seq_len, "
                 f"rotary_dim/2] = {(batch, seq_len, half)}, got shape {tuple(cos_shape)}"
             )
-    else:
-        if ids_shape is not None:
-            assert ids_dtype is not None
-            if ids_dtype.kind not in "iu":
-                raise TypeError(
-                    f"position_ids must be an integer array (int64 or int32), got dtype "
-                    f"{ids_dtype.name}"
-                )
-            if tuple(ids_shape) != (batch, seq_len):
-                raise ValueError(
-                    f"position_ids must have shape [batch, seq_len] = {(batch, seq_len)}, got "
-                    f"{tuple(ids_shape)}"
-                )
-        if len(cos_shape) != 2:
-            raise ValueError(
-                f"with position_ids or position_offset the caches must be 2-D "
-                f"[max_position_id + 1, rotary_dim/2], got shape {tuple(cos_shape)}"
-            )
+    elif len(cos_shape) != 2:
+        raise ValueError(
+            f"with position_ids or position_offset the caches must be 2-D "
+            f"[max_position_id + 1, rotary_dim/2], got shape {tuple(cos_shape)}"
+        )
+    return kind
+
+
+def _check_out(out: Description, out_name: str, input_name: str, input_shape, dtype) -> None:
+    if out is None:
+        return
+    out_shape, out_dtype, writeable = out
+    owner = "the input's" if input_name == "input" else f"{input_name}'s"
+    if out_dtype != dtype:
+        raise TypeError(f"{out_name} must have {owner} dtype {dtype.name}, got {out_dtype.name}")
+    if tuple(out_shape) != tuple(input_shape):
+        raise ValueError(
+            f"{out_name} must have {owner} shape {tuple(input_shape)}, got {tuple(out_shape)}"
+        )
+    if not writeable:
+        raise ValueError(
+            f"{out_name} is a read-only array; pass a writeable array (e.g. "
+            f"np.empty_like({input_name})) or omit {out_name}"
+        )
+
+
+def _check_call(
+    names: tuple[tuple[str, ...], tuple[str, ...]],
+    inputs: tuple[Description, ...],
+    outs: tuple[Description, ...],
+    cos: Description,
+    sin: Description,
+    ids: Description,
+    offset: Description,
+    interleaved: Any,
+    rotary_embedding_dim: Any,
+    layout: Any,
+    num_heads: Any,
+    num_kv_heads: Any,
+    inverse: Any,
+) -> Call:
+    """Check one call; see :func:`check_call`."""
+    input_names, out_names = names
+    for name, description in (
+        *zip(input_names, inputs, strict=True),
+        ("cos_cache", cos),
+        ("sin_cache", sin),
+    ):
+        if description is None:
+            raise TypeError(f"{name} is None; pass an array (NumPy, CuPy, Numba or torch CUDA)")
+    dtypes = [description[1] for description in inputs]  # type: ignore[index]
+    dtype_name = ""
+    for name, dtype in zip(input_names, dtypes, strict=True):
+        dtype_name = check_dtype(dtype, name)
+    heads_options = (num_heads, num_heads if num_kv_heads is None else num_kv_heads)
+    heads_names = ("num_heads", "num_heads" if num_kv_heads is None else "num_kv_heads")
+    shapes = tuple(
+        logical_shape(description[0], layout, heads_options[i], heads_names[i])  # type: ignore[index]
+        for i, description in enumerate(inputs)
+    )
+    _check_same_tensor_form(input_names, shapes, dtypes)
+    batch, _, seq_len, head_size = shapes[0]
+    interleaved = check_flag(interleaved, "interleaved")
+    inverse = check_flag(inverse, "inverse")
+    rotary_dim = check_rotary_dim(rotary_embedding_dim, head_size)
+    half = rotary_dim // 2
+    assert cos is not None and sin is not None  # checked above
+    _check_caches(cos, sin, dtype_name)
+    cos_shape = tuple(cos[0])
+    kind = _check_positions(ids, offset, cos_shape, batch, seq_len, half)
     if cos_shape[-1] != half:
         raise ValueError(
             f"the caches' last dimension must be rotary_dim/2 = {half}, got "
-            f"{cos_shape[-1]} (cache shape {tuple(cos_shape)}, rotary_dim {rotary_dim})"
+            f"{cos_shape[-1]} (cache shape {cos_shape}, rotary_dim {rotary_dim})"
         )
-    if len(cos_shape) == 3 and tuple(cos_shape[:2]) != (batch, seq_len):
+    if kind == "token" and cos_shape[:2] != (batch, seq_len):
         raise ValueError(
             f"without position_ids the caches must have shape [batch, seq_len, "
-            f"rotary_dim/2] = {(batch, seq_len, half)}, got {tuple(cos_shape)}"
+            f"rotary_dim/2] = {(batch, seq_len, half)}, got {cos_shape}"
         )
+    for i, out in enumerate(outs):
+        _check_out(out, out_names[i], input_names[i], inputs[i][0], dtypes[i])  # type: ignore[index]
+    return Call(
+        dtype=dtypes[0],
+        cache_dtype=cos[1],
+        shapes=shapes,
+        layout=layout,
+        interleaved=interleaved,
+        rotary_dim=rotary_dim,
+        inverse=inverse,
+        positions=kind,
+        n_positions=0 if kind == "token" else cos_shape[0],
+    )
 
-    if out_dtype is not None:
-        if out_dtype != input_dtype:
-            raise TypeError(f"out must have the input's dtype {dtype_name}, got {out_dtype.name}")
-        if tuple(out_shape or ()) != tuple(input_shape):
-            raise ValueError(
-                f"out must have the input's shape {tuple(input_shape)}, got "
-                f"{tuple(out_shape or ())}"
-            )
-    return interleaved, rotary_dim, bool(inverse), shape
 
-
-# typed=True: 1 and True (or 2 and 2.0) must not share a verdict.
+# typed=True: 1 and True (or 2 and 2.0) must not share a verdict. (Only the options are
+# scalars; descriptions are tuples of shapes, dtypes and flags, compared exactly.)
 _check_call_remembered = functools.lru_cache(maxsize=1024, typed=True)(_check_call)
+
+
+def check_call(
+    names: tuple[tuple[str, ...], tuple[str, ...]],
+    inputs: tuple[Description, ...],
+    outs: tuple[Description, ...],
+    cos: Description,
+    sin: Description,
+    ids: Description,
+    offset: Description,
+    interleaved: Any,
+    rotary_embedding_dim: Any,
+    layout: Any,
+    num_heads: Any,
+    num_kv_heads: Any,
+    inverse: Any,
+) -> Call:
+    """Check one call of ``rotary_embedding`` (one input) or ``rotary_embedding_qk``
+    (q and k), described by shapes, dtypes and options, and return its :class:`Call`.
+
+    ``names`` are the input and output argument names (:data:`SINGLE_NAMES`,
+    :data:`QK_NAMES`); ``inputs`` and ``outs`` describe the tensors and their outputs
+    (None where absent), ``offset`` a scalar offset as shape ``()``. The verdict is
+    remembered: repeated calls of the same signature skip the checks. Arguments that
+    cannot be hashed go to the plain check, which explains what is wrong with them.
+    """
+    arguments = (names, inputs, outs, cos, sin, ids, offset)
+    options = (interleaved, rotary_embedding_dim, layout, num_heads, num_kv_heads, inverse)
+    try:
+        return _check_call_remembered(*arguments, *options)
+    except TypeError:
+        return _check_call(*arguments, *options)
+
+
+def offset_error(batch_index: int | None, value: int, seq_len: int, n_positions: int) -> IndexError:
+    """The ``IndexError`` for an offset whose positions leave the caches."""
+    where = "position_offset" if batch_index is None else f"position_offset[{batch_index}]"
+    return IndexError(
+        f"{where} = {value} puts positions {value}..{value + seq_len - 1} of the sequence "
+        f"outside the caches, which have {n_positions} rows: offsets must lie in [0, "
+        f"{n_positions - seq_len}] for seq_len {seq_len}"
+    )
 
 
 def position_error(

@@ -1,4 +1,6 @@
-"""The public operator: validate once, pick the device from the arrays, launch."""
+"""The public operator, for one tensor or q and k: both go one internal path
+(:func:`_rotate`), after the remembered plan of a small NumPy call (see
+:mod:`numba_rope._cpu.backend`)."""
 
 from __future__ import annotations
 
@@ -6,8 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from numba_rope import _dispatch
-from numba_rope._validation import check_call, check_qk
+from numba_rope._cpu import backend as cpu_backend
+from numba_rope._dispatch import backend_for, is_scalar
+from numba_rope._validation import QK_NAMES, SINGLE_NAMES, check_call
 
 
 def rotary_embedding(
@@ -123,89 +126,99 @@ def rotary_embedding(
     key = None
     if type(input) is np.ndarray:
         # A NumPy call whose signature was validated before runs its plan directly.
-        key = _dispatch.plan_key(
+        key = cpu_backend.plan_key(
             input,
+            None,
             cos_cache,
             sin_cache,
             position_ids,
             out,
+            None,
             interleaved,
             rotary_embedding_dim,
             layout,
             num_heads,
+            None,
             inverse,
             position_offset,
         )
         if key is not None:
-            plan = _dispatch.CPU_PLANS.get(key)
+            plan = cpu_backend.PLANS.get(key)
             if plan is not None:
-                result = plan(input, cos_cache, sin_cache, position_ids, out, position_offset)
-                if result is not None:
-                    return result
-    offset_array = None if _dispatch.is_scalar(position_offset) else position_offset
-    arrays = (input, cos_cache, sin_cache, position_ids, out, offset_array)
-    backend = _dispatch.backend_for(arrays, _dispatch.ARGUMENT_NAMES, stream)
-    interleaved, rotary_dim, inverse, shape = _check(
-        backend,
-        input,
+                results = plan(
+                    input, None, cos_cache, sin_cache, position_ids, out, None, position_offset
+                )
+                if results is not None:
+                    return results[0]
+    options = (interleaved, rotary_embedding_dim, layout, num_heads, None, inverse)
+    return _rotate(
+        SINGLE_NAMES,
+        (input,),
+        (out,),
         cos_cache,
         sin_cache,
         position_ids,
-        out,
         position_offset,
-        interleaved,
-        rotary_embedding_dim,
-        layout,
-        num_heads,
-        inverse,
-    )
-    call = (interleaved, rotary_dim, inverse, shape, layout)
-    result = backend.run(
-        input, cos_cache, sin_cache, position_ids, position_offset, out, call, check_position_ids
-    )
-    if key is not None and backend is _dispatch.CpuBackend and key not in _dispatch.CPU_PLANS:
-        _dispatch.remember_plan(key, _dispatch.cpu_plan(call, input, cos_cache, position_ids))
-    return result
+        options,
+        stream,
+        check_position_ids,
+        key,
+    )[0]
 
 
-def _check(
-    backend,
-    x,
-    cos_cache,
-    sin_cache,
-    position_ids,
-    out,
-    position_offset,
-    interleaved,
-    rotary_embedding_dim,
-    layout,
-    num_heads,
-    inverse,
-):
-    """:func:`check_call` on the shapes and dtypes the backend reads from the arguments
-    (a scalar offset is described by NumPy: shape ``()``, its dtype)."""
+def _rotate(
+    names: tuple[tuple[str, ...], tuple[str, ...]],
+    inputs: tuple,
+    outs: tuple,
+    cos_cache: Any,
+    sin_cache: Any,
+    position_ids: Any,
+    position_offset: Any,
+    options: tuple,
+    stream: Any,
+    check_position_ids: Any,
+    key: tuple | None,
+) -> tuple:
+    """The one path of every call, for one tensor or several: pick the backend from the
+    array types, validate into a :class:`~numba_rope._validation.Call`, run it, and
+    remember a plan for the next NumPy call of the same signature (``key``)."""
+    input_names, out_names = names
+    offset_array = None if is_scalar(position_offset) else position_offset
+    arrays = (*inputs, cos_cache, sin_cache, position_ids, *outs, offset_array)
+    argument_names = (
+        *input_names,
+        "cos_cache",
+        "sin_cache",
+        "position_ids",
+        *out_names,
+        "position_offset",
+    )
+    backend = backend_for(arrays, argument_names, stream)
     describe = backend.describe
     if type(position_offset) is int:
         # Any Python int is an integer offset, even one beyond int64 (whose value is
         # then reported out of range, not its NumPy dtype "object").
         offset = ((), np.dtype(np.int64))
-    elif position_offset is not None and _dispatch.is_scalar(position_offset):
+    elif position_offset is not None and is_scalar(position_offset):
         offset = ((), np.asarray(position_offset).dtype)
     else:
         offset = describe(position_offset)
-    return check_call(
-        *describe(x),
-        *describe(cos_cache),
-        *describe(sin_cache),
-        *describe(position_ids),
-        *describe(out),
-        interleaved,
-        rotary_embedding_dim,
-        layout,
-        num_heads,
-        *offset,
-        inverse,
+    call = check_call(
+        names,
+        tuple(describe(x) for x in inputs),
+        tuple(backend.describe_out(out) for out in outs),
+        describe(cos_cache),
+        describe(sin_cache),
+        describe(position_ids),
+        offset,
+        *options,
     )
+    results = backend.run(
+        call, inputs, outs, cos_cache, sin_cache, position_ids, position_offset, check_position_ids
+    )
+    if key is not None and backend is cpu_backend and key not in cpu_backend.PLANS:
+        cpu_backend.remember_plan(key, cpu_backend.make_plan(call, inputs, cos_cache, position_ids))
+    return results
 
 
 def rotary_embedding_qk(
@@ -266,68 +279,42 @@ position_offset, inverse, stream, check_position_ids
     True
     """
     key = None
-    if type(q) is np.ndarray:
-        options = (interleaved, rotary_embedding_dim, layout, num_heads, num_kv_heads, inverse)
-        key = _dispatch.plan_key_qk(
-            q, k, cos_cache, sin_cache, position_ids, out_q, out_k, options, position_offset
+    if type(q) is np.ndarray and type(k) is np.ndarray:
+        key = cpu_backend.plan_key(
+            q,
+            k,
+            cos_cache,
+            sin_cache,
+            position_ids,
+            out_q,
+            out_k,
+            interleaved,
+            rotary_embedding_dim,
+            layout,
+            num_heads,
+            num_kv_heads,
+            inverse,
+            position_offset,
         )
         if key is not None:
-            plan = _dispatch.CPU_PLANS.get(key)
+            plan = cpu_backend.PLANS.get(key)
             if plan is not None:
                 results = plan(
                     q, k, cos_cache, sin_cache, position_ids, out_q, out_k, position_offset
                 )
                 if results is not None:
                     return results
-    offset_array = None if _dispatch.is_scalar(position_offset) else position_offset
-    arrays = (q, k, cos_cache, sin_cache, position_ids, out_q, out_k, offset_array)
-    backend = _dispatch.backend_for(arrays, _dispatch.QK_ARGUMENT_NAMES, stream)
-    q_call = _check(
-        backend,
-        q,
-        cos_cache,
-        sin_cache,
-        position_ids,
-        out_q,
-        position_offset,
-        interleaved,
-        rotary_embedding_dim,
-        layout,
-        num_heads,
-        inverse,
-    )
-    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    k_call = _check(
-        backend,
-        k,
-        cos_cache,
-        sin_cache,
-        position_ids,
-        out_k,
-        position_offset,
-        interleaved,
-        rotary_embedding_dim,
-        layout,
-        kv_heads,
-        inverse,
-    )
-    check_qk(q_call[3], backend.describe(q)[1], k_call[3], backend.describe(k)[1])
-    call = (*q_call[:4], layout)
-    results = backend.run_qk(
-        q,
-        k,
+    options = (interleaved, rotary_embedding_dim, layout, num_heads, num_kv_heads, inverse)
+    return _rotate(
+        QK_NAMES,
+        (q, k),
+        (out_q, out_k),
         cos_cache,
         sin_cache,
         position_ids,
         position_offset,
-        out_q,
-        out_k,
-        call,
-        q_call[3],
-        k_call[3],
+        options,
+        stream,
         check_position_ids,
+        key,
     )
-    if key is not None and backend is _dispatch.CpuBackend and key not in _dispatch.CPU_PLANS:
-        plan = _dispatch.cpu_plan_qk(call, q_call[3], k_call[3], q, k, cos_cache, position_ids)
-        _dispatch.remember_plan(key, plan)
-    return results

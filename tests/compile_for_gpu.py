@@ -39,7 +39,7 @@ def main() -> int:
     from numba import cuda, types
 
     _patch_numba_cuda()
-    from numba_rope import _cuda
+    from numba_rope._cuda import kernels as _cuda_kernels
 
     storage = {
         "float32": types.float32,
@@ -75,54 +75,37 @@ def main() -> int:
             x = types.Array(storage[input_dtype], 4, "A")
             cache = types.Array(storage[cache_dtype], 3 if kind == "token" else 2, "A")
             positions = cache if positions is None else positions
-            # The fused kernel shares the per-token device function: two dtype pairs
-            # type-check its own body.
-            fused_too = (input_dtype, cache_dtype) in (
-                ("float32", "float32"),
-                ("bfloat16", "bfloat16"),
+            # One kernel for one tensor or two (q and k): q, k, cos, sin, positions,
+            # out_q, out_k, interleaved, rotary_dim, slots_q, slots_k, n_groups, sign.
+            kernel = _cuda_kernels._make_rope_kernel(input_dtype, cache_dtype, kind, 4)
+            signature = (
+                x,
+                x,
+                cache,
+                cache,
+                positions,
+                x,
+                x,
+                types.boolean,
+                types.int64,
+                types.int64,
+                types.int64,
+                types.int64,
+                compute,
             )
-            for fused in (False, True) if fused_too else (False,):
-                kernel = _cuda._make_rope_kernel(input_dtype, cache_dtype, kind, 4, fused)
-                if fused:
-                    signature = (
-                        x,
-                        x,
-                        cache,
-                        cache,
-                        positions,
-                        x,
-                        x,
-                        types.boolean,
-                        types.int64,
-                        types.int64,
-                        types.int64,
-                        compute,
-                    )
-                else:
-                    signature = (
-                        x,
-                        cache,
-                        cache,
-                        positions,
-                        x,
-                        types.boolean,
-                        types.int64,
-                        types.int64,
-                        compute,
-                    )
-                cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
-                compiled += 1
+            cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
+            compiled += 1
         for ids in (types.int64, types.uint64, types.int32):
             flag = types.Array(types.int64, 1, "C")
             cuda.compile_ptx(
-                _cuda._first_bad_position_cuda.py_func,
+                _cuda_kernels.first_bad_position_cuda.py_func,
                 (types.Array(ids, 2, "A"), types.int64, flag),
                 cc=(9, 0),
             )
             compiled += 1
         for dtype in storage.values():
             array = types.Array(dtype, 4, "A")
-            cuda.compile_ptx(_cuda._copy_cuda.py_func, (array, array), cc=(9, 0))
+            cuda.compile_ptx(_cuda_kernels.copy_cuda.py_func, (array, array), cc=(9, 0))
             compiled += 1
     except Exception as error:
         text = f"{type(error).__name__}: {error}"

@@ -1,4 +1,4 @@
-"""The remembered plans of NumPy calls (numba_rope._dispatch.CPU_PLANS).
+"""The remembered plans of NumPy calls (numba_rope.cpu_backend.PLANS).
 
 A call whose signature (shapes, dtypes, options) was validated before runs a plan with
 the least Python work. The plan must give the same bits as the general path, and must
@@ -13,21 +13,25 @@ import pytest
 from oracles import BFLOAT16, assert_bitwise_equal, float32_contract, make_case
 
 import numba_rope
-from numba_rope import _cpu, _dispatch, config
+from numba_rope import config
+from numba_rope._cpu import backend as cpu_backend
+from numba_rope._cpu import kernels as cpu_kernels
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BFLOAT16]
 
 
 @pytest.fixture(autouse=True)
 def no_plans():
-    _dispatch.CPU_PLANS.clear()
+    cpu_backend.PLANS.clear()
     yield
-    _dispatch.CPU_PLANS.clear()
+    cpu_backend.PLANS.clear()
 
 
 def _planned(x, cos, sin, ids, out, interleaved=False, rotary_dim=0, layout="bhsd"):
-    key = _dispatch.plan_key(x, cos, sin, ids, out, interleaved, rotary_dim, layout, None, False)
-    return _dispatch.CPU_PLANS.get(key) is not None
+    key = cpu_backend.plan_key(
+        x, None, cos, sin, ids, out, None, interleaved, rotary_dim, layout, None, None, False
+    )
+    return cpu_backend.PLANS.get(key) is not None
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=[d.name for d in DTYPES])
@@ -133,11 +137,11 @@ def test_qk_plan_equals_two_calls(rng, dtype):
 
 
 def test_plans_table_is_bounded(rng, monkeypatch):
-    monkeypatch.setattr(_dispatch, "MAX_PLANS", 3)
+    monkeypatch.setattr(cpu_backend, "MAX_PLANS", 3)
     for seq_len in range(1, 6):
         x, cos, sin, ids = make_case(rng, (1, 1, seq_len, 4), np.float32)
         numba_rope.rotary_embedding(x, cos, sin, ids)
-    assert 1 <= len(_dispatch.CPU_PLANS) <= 3
+    assert 1 <= len(cpu_backend.PLANS) <= 3
 
 
 def test_plan_with_an_integer_offset(rng):
@@ -146,8 +150,10 @@ def test_plan_with_an_integer_offset(rng):
         ids = np.full((2, 4), offset) + np.arange(4)
         got = numba_rope.rotary_embedding(x, cos, sin, position_offset=offset)
         assert_bitwise_equal(got, float32_contract(x, cos, sin, ids))
-    key = _dispatch.plan_key(x, cos, sin, None, None, False, 0, "bhsd", None, False, 3)
-    assert _dispatch.CPU_PLANS.get(key) is not None
+    key = cpu_backend.plan_key(
+        x, None, cos, sin, None, None, None, False, 0, "bhsd", None, None, False, 3
+    )
+    assert cpu_backend.PLANS.get(key) is not None
     with pytest.raises(IndexError, match="9"):
         numba_rope.rotary_embedding(x, cos, sin, position_offset=9)  # rows 9..12 of 12
     with pytest.raises(IndexError):
@@ -200,13 +206,13 @@ def test_qk_with_one_of_q_and_k_in_place(rng, monkeypatch, which, parallel):
     if parallel:
         monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 1)
     requested = []
-    kernels = _cpu.kernels
+    kernels = cpu_backend.kernels
 
     def recording(*args):
         requested.append(args[3])
         return kernels(*args)
 
-    monkeypatch.setattr(_cpu, "kernels", recording)
+    monkeypatch.setattr(cpu_backend, "kernels", recording)
     _, cos, sin, ids = make_case(rng, (2, 4, 3, 16), BFLOAT16)
     for _ in range(2):  # the second call runs the plan
         q = rng.standard_normal((2, 4, 3, 16)).astype(BFLOAT16)
@@ -217,6 +223,6 @@ def test_qk_with_one_of_q_and_k_in_place(rng, monkeypatch, which, parallel):
         numba_rope.rotary_embedding_qk(q, k, cos, sin, ids, out_q=out_q, out_k=out_k)
         assert_bitwise_equal(out_q, expected_q)
         assert_bitwise_equal(out_k, expected_k)
-    flags = {"q": _cpu.X_IN_PLACE, "k": _cpu.K_IN_PLACE, "neither": 0}
-    flags["both"] = _cpu.X_IN_PLACE + _cpu.K_IN_PLACE
+    flags = {"q": cpu_kernels.FIRST_IN_PLACE, "k": cpu_kernels.SECOND_IN_PLACE, "neither": 0}
+    flags["both"] = cpu_kernels.FIRST_IN_PLACE + cpu_kernels.SECOND_IN_PLACE
     assert requested and set(requested) == {flags[which]}

@@ -102,21 +102,21 @@ def test_parallel_kernel_equals_contract(rng, parallel_always, dtype):
 def test_row_options_must_be_compile_time_constants():
     """A row's vector step is chosen when a kernel compiles: a run-time option is a
     typing error, never a row that silently takes some other path."""
-    from numba_rope import _cpu
+    from numba_rope._cpu import kernels as cpu_kernels
 
     @numba.njit
     def rotate(x, cos, out, streaming):
-        _cpu._rotate_row(x, cos, cos, out, False, x.shape[0], np.float32(1), False, streaming)
+        cpu_kernels.rotate_row(x, cos, cos, out, False, x.shape[0], np.float32(1), False, streaming)
 
     @numba.njit
     def rotate_constant(x, cos, out):
-        _cpu._rotate_row(x, cos, cos, out, False, x.shape[0], np.float32(1), False, False)
+        cpu_kernels.rotate_row(x, cos, cos, out, False, x.shape[0], np.float32(1), False, False)
 
     x = np.ones(16, np.float32)
     out = np.empty_like(x)
     rotate_constant(x, x[:8], out)  # pairs (1, 1) by cos = sin = 1: (1 - 1, 1 + 1)
     assert np.array_equal(out, np.repeat(np.float32([0, 2]), 8))
-    with pytest.raises(numba.core.errors.TypingError, match="_vector_pairs"):
+    with pytest.raises(numba.core.errors.TypingError, match="vector_pairs"):
         rotate(x, x[:8], x.copy(), True)
 
 
@@ -134,7 +134,7 @@ def _broadcast_caches(batch, seq_len, half, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_scattered_caches_of_a_large_call(rng, monkeypatch, parallel_always, dtype):
     # Large calls (here: all, parallel_always) rotate from packed copies of such caches.
-    from numba_rope import _cpu
+    from numba_rope._cpu import backend as _cpu
 
     x = rng.standard_normal((3, 4, 9, 16)).astype(dtype)
     k = rng.standard_normal((3, 2, 9, 16)).astype(dtype)
@@ -161,7 +161,8 @@ def test_scattered_caches_of_a_large_call(rng, monkeypatch, parallel_always, dty
 
 
 def test_which_caches_are_packed(monkeypatch):
-    from numba_rope import _cpu, config
+    from numba_rope import config
+    from numba_rope._cpu import backend as _cpu
 
     monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 1000)
     cos, sin = _broadcast_caches(2, 8, 4, np.float32)  # 2 x 256 bytes
@@ -198,12 +199,13 @@ def test_result_independent_of_thread_count(rng, parallel_always, threads):
 def test_any_work_split_gives_the_contract_bits(rng, monkeypatch, shape, tile, parallel):
     # Token tiles (several per sequence, one partial), head groups (one sequence of one
     # token over many heads) and chunks of units: every split gives the same bits.
-    from numba_rope import _dispatch, config
+    from numba_rope import config
+    from numba_rope._cpu import backend as _dispatch
 
     monkeypatch.setattr(config, "TOKENS_PER_TILE", tile)
     if parallel:
         monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 0)
-    _dispatch.CPU_PLANS.clear()
+    _dispatch.PLANS.clear()
     x, cos, sin, ids = make_case(rng, shape, BFLOAT16)
     k = rng.standard_normal((shape[0], 2, shape[2], shape[3])).astype(BFLOAT16)
     for interleaved in (False, True):
@@ -215,7 +217,8 @@ def test_any_work_split_gives_the_contract_bits(rng, monkeypatch, shape, tile, p
 
 
 def test_work_split_groups_heads_when_units_are_few(monkeypatch):
-    from numba_rope import _cpu, config
+    from numba_rope import config
+    from numba_rope._cpu import backend as _cpu
 
     monkeypatch.setattr(config, "TOKENS_PER_TILE", 4)
     monkeypatch.setattr(config, "CHUNKS_PER_THREAD", 4)
@@ -227,7 +230,8 @@ def test_work_split_groups_heads_when_units_are_few(monkeypatch):
 
 
 def test_default_threshold_routes_small_serial_and_large_parallel(rng, monkeypatch):
-    from numba_rope import _cpu, config
+    from numba_rope import config
+    from numba_rope._cpu import backend as _cpu
 
     calls = []
     real = _cpu._run_parallel

@@ -35,7 +35,7 @@ cuda = pytest.importorskip(
 )
 from numba.core import config as numba_config  # noqa: E402
 
-from numba_rope import _cuda as numba_rope_cuda  # noqa: E402
+from numba_rope._cuda import kernels as numba_rope_cuda  # noqa: E402
 
 SIMULATOR = bool(numba_config.ENABLE_CUDASIM)
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""Large outputs written with non-temporal stores (``_cpu._stream_pairs``): the same
+"""Large outputs written with non-temporal stores (``numba_rope._cpu.vector``): the same
 bits as the element loop, and only where the stores' alignment holds."""
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ import pytest
 from oracles import BFLOAT16, assert_bitwise_equal, float32_contract, make_case
 
 import numba_rope
-from numba_rope import _cpu, _dispatch, config
+from numba_rope import config
+from numba_rope._cpu import backend as cpu_backend
+from numba_rope._cpu import vector as cpu_vector
 
 STREAMED = [np.dtype(np.float32), np.dtype(np.float16), BFLOAT16]
 
@@ -27,16 +29,16 @@ def stream_always(monkeypatch):
     """Every eligible output streams, however small; calls never take a plan (plans run
     small inputs, which never stream), and the kernel options asked for are recorded."""
     monkeypatch.setattr(config, "STREAMING_MIN_BYTES", 0)
-    monkeypatch.setattr(_dispatch, "CPU_PLANS", {})
-    monkeypatch.setattr(_dispatch, "remember_plan", lambda key, plan: None)
+    monkeypatch.setattr(cpu_backend, "PLANS", {})
+    monkeypatch.setattr(cpu_backend, "remember_plan", lambda key, plan: None)
     requested = []
-    kernels = _cpu.kernels
+    kernels = cpu_backend.kernels
 
     def recording(*args):
         requested.append(args)
         return kernels(*args)
 
-    monkeypatch.setattr(_cpu, "kernels", recording)
+    monkeypatch.setattr(cpu_backend, "kernels", recording)
     return requested
 
 
@@ -66,7 +68,8 @@ def test_streamed_rows_give_the_contract_bits(
 def _check_streamed_rows(rng, requested, dtype, head_size, rotary_dim, interleaved, in_place=True):
     aligned_part = rotary_dim if interleaved else rotary_dim // 2
     streams = all(
-        (size * dtype.itemsize) % _cpu.STREAM_ALIGNMENT == 0 for size in (aligned_part, head_size)
+        (size * dtype.itemsize) % cpu_vector.STREAM_ALIGNMENT == 0
+        for size in (aligned_part, head_size)
     )
     shape = (2, 3, 5, head_size)
     x, cos, sin, ids = make_case(rng, shape, dtype, rotary_dim=rotary_dim)
@@ -136,32 +139,34 @@ def test_streamed_special_values(stream_always):
 def test_what_streams(monkeypatch):
     monkeypatch.setattr(config, "STREAMING_MIN_BYTES", 1 << 12)
     big = aligned((1, 4, 8, 64), np.float32)  # 8 KiB
-    assert _cpu.streaming(64, False, big)
-    assert _cpu.streaming(32, False, big)  # partial: half 16 floats
-    assert _cpu.streaming(64, True, big)
-    assert _cpu.streaming(4, True, big)  # interleaved: rotary 16 bytes, no second half
-    assert not _cpu.streaming(2, True, big)  # channels past rotary_dim 8 bytes in
-    assert not _cpu.streaming(64, False, big[:, :1, :2])  # 512 bytes: too small
-    assert _cpu.streaming(64, False, big[:, :1, :2], big)  # q and k count together
-    assert not _cpu.streaming(2, False, big)  # second half 4 bytes in
-    assert not _cpu.streaming(64, False, aligned((1, 4, 8, 64), np.float32, offset=4))
-    assert not _cpu.streaming(64, False, aligned((1, 4, 8, 64), np.float64))
-    assert not _cpu.streaming(60, False, aligned((1, 4, 8, 60), np.float32))  # rows 240 B
+    assert cpu_backend.streaming(64, False, big)
+    assert cpu_backend.streaming(32, False, big)  # partial: half 16 floats
+    assert cpu_backend.streaming(64, True, big)
+    assert cpu_backend.streaming(4, True, big)  # interleaved: rotary 16 bytes, no second half
+    assert not cpu_backend.streaming(2, True, big)  # channels past rotary_dim 8 bytes in
+    assert not cpu_backend.streaming(64, False, big[:, :1, :2])  # 512 bytes: too small
+    assert cpu_backend.streaming(64, False, big[:, :1, :2], big)  # q and k count together
+    assert not cpu_backend.streaming(2, False, big)  # second half 4 bytes in
+    assert not cpu_backend.streaming(64, False, aligned((1, 4, 8, 64), np.float32, offset=4))
+    assert not cpu_backend.streaming(64, False, aligned((1, 4, 8, 64), np.float64))
+    assert not cpu_backend.streaming(60, False, aligned((1, 4, 8, 60), np.float32))  # rows 240 B
     uint16 = aligned((1, 4, 16, 80), np.uint16)  # 16-bit storage: rows of 160 bytes
-    assert _cpu.streaming(80, False, uint16)
-    assert not _cpu.streaming(72, False, uint16[..., :72])  # second half 72 bytes in
-    assert not _cpu.streaming(64, False, uint16[..., 1:65])  # rows start 2 bytes in
-    assert not _cpu.streaming(8, False, uint16)  # second half 8 bytes in
-    assert _cpu.streaming(8, True, uint16)
+    assert cpu_backend.streaming(80, False, uint16)
+    assert not cpu_backend.streaming(72, False, uint16[..., :72])  # second half 72 bytes in
+    assert not cpu_backend.streaming(64, False, uint16[..., 1:65])  # rows start 2 bytes in
+    assert not cpu_backend.streaming(8, False, uint16)  # second half 8 bytes in
+    assert cpu_backend.streaming(8, True, uint16)
     monkeypatch.setattr(config, "STREAMING_MIN_BYTES", 1 << 30)
-    assert not _cpu.streaming(64, False, big)
+    assert not cpu_backend.streaming(64, False, big)
 
 
 def test_large_default_call_streams_and_small_one_does_not(rng, monkeypatch):
     # With the default threshold: a 16 MiB float16 output streams, a small one does not.
     requested = []
-    kernels = _cpu.kernels
-    monkeypatch.setattr(_cpu, "kernels", lambda *args: requested.append(args) or kernels(*args))
+    kernels = cpu_backend.kernels
+    monkeypatch.setattr(
+        cpu_backend, "kernels", lambda *args: requested.append(args) or kernels(*args)
+    )
     x, cos, sin, ids = make_case(rng, (1, 16, 4096, 128), np.float16, n_positions=4096)
     assert x.nbytes == config.STREAMING_MIN_BYTES
     got = numba_rope.rotary_embedding(x, cos, sin, ids)
@@ -178,10 +183,12 @@ def test_plans_leave_streamed_outputs_to_the_general_path(rng, monkeypatch):
     # or above the streaming threshold takes the general path every time, so a lowered
     # threshold applies to small repeated calls as well (single and q+k).
     monkeypatch.setattr(config, "STREAMING_MIN_BYTES", 0)
-    monkeypatch.setattr(_dispatch, "CPU_PLANS", {})
+    monkeypatch.setattr(cpu_backend, "PLANS", {})
     requested = []
-    kernels = _cpu.kernels
-    monkeypatch.setattr(_cpu, "kernels", lambda *args: requested.append(args) or kernels(*args))
+    kernels = cpu_backend.kernels
+    monkeypatch.setattr(
+        cpu_backend, "kernels", lambda *args: requested.append(args) or kernels(*args)
+    )
     x, cos, sin, ids = make_case(rng, (2, 3, 5, 32), np.float32)
     k = rng.standard_normal((2, 1, 5, 32)).astype(np.float32)
     for _ in range(3):

@@ -1,0 +1,543 @@
+"""The CPU backend: NumPy arrays in, NumPy arrays out, computed by the kernels of
+:mod:`numba_rope._cpu.kernels`.
+
+For a validated call (:class:`numba_rope._validation.Call`) of one tensor or several
+(q and k), :func:`run` allocates the outputs, puts positions in the kernels' form,
+hands BHSD views of the arrays in their storage format (float16/bfloat16 as 16-bit
+integer views, see :mod:`numba_rope._conversions`) to a kernel chosen by the launch
+policy below, and decodes the kernel's status: an output that overlaps an input (the
+inputs concerned are copied and the kernel runs again) or a bad position (raised with
+the message of :mod:`numba_rope._validation`). Nothing is written before the kernel
+has checked every position.
+
+Small calls of a signature validated before skip all of this: :func:`plan_key` and
+:func:`make_plan` build a *plan*, a closure that runs the serial kernel with the least
+Python work, and falls back to the full path whenever it cannot decide alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numba
+import numpy as np
+
+from numba_rope import config
+from numba_rope._conversions import BFLOAT16_STORAGE, FLOAT16_STORAGE
+from numba_rope._cpu.kernels import (
+    DONE,
+    FIRST_IN_PLACE,
+    OVERLAP,
+    SECOND_IN_PLACE,
+    first_bad_offset,
+    first_bad_position,
+    make_kernels,
+)
+from numba_rope._cpu.vector import STREAM_ALIGNMENT
+from numba_rope._geometry import bhsd_array, bhsd_steps
+from numba_rope._validation import Call, offset_error, position_error
+
+name = "cpu"
+
+#: Position-id dtypes the kernels take as they are; others are range-checked and
+#: converted to int64 first.
+_KERNEL_ID_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))
+
+_INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
+
+#: ``in_place`` flag of each tensor of a call, by its place.
+_IN_PLACE_FLAGS = (FIRST_IN_PLACE, SECOND_IN_PLACE)
+
+
+def describe(array: Any) -> tuple[Any, ...] | None:
+    """``(shape, dtype)`` of an argument for validation, None for an absent one."""
+    if array is None:
+        return None
+    return array.shape, array.dtype
+
+
+def describe_out(array: Any) -> tuple[Any, ...] | None:
+    """``(shape, dtype, writeable)`` of an output argument, None for an absent one."""
+    if array is None:
+        return None
+    return array.shape, array.dtype, bool(array.flags.writeable)
+
+
+def storage_dtype(dtype: np.dtype) -> np.dtype | None:
+    """The integer dtype a 16-bit format travels as, else None. Validation has admitted
+    only float32/float64 and the two 16-bit formats, of which float16 has kind "f" and
+    ml_dtypes' bfloat16 kind "V"."""
+    if dtype.itemsize != 2:
+        return None
+    return np.dtype(FLOAT16_STORAGE if dtype.kind == "f" else BFLOAT16_STORAGE)
+
+
+def _storage(array: np.ndarray) -> np.ndarray:
+    """The array as the kernels take it (see :func:`storage_dtype`)."""
+    storage = storage_dtype(array.dtype)
+    return array if storage is None else array.view(storage)
+
+
+def run(
+    call: Call,
+    inputs: tuple,
+    outs: tuple,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    position_ids: Any,
+    position_offset: Any,
+    check_position_ids: bool = True,
+) -> tuple:
+    """Rotate the validated NumPy tensors ``inputs`` into ``outs`` (allocated where
+    None) and return the outputs.
+
+    Positions are always checked on the CPU (a pass over ``[batch, seq_len]``
+    integers): ``check_position_ids`` is accepted and ignored.
+    """
+    results = tuple(
+        np.empty(x.shape, dtype=x.dtype) if out is None else out
+        for x, out in zip(inputs, outs, strict=True)
+    )
+    positions = _kernel_positions(call, position_ids, position_offset)
+    if not any(x.size for x in inputs):
+        _check_positions_on_host(call, positions, position_ids, position_offset)
+        return results
+    views = tuple(
+        (_storage(bhsd_array(x, call.layout, shape)), _storage(bhsd_array(out, call.layout, shape)))
+        for x, out, shape in zip(inputs, results, call.shapes, strict=True)
+    )
+    args = (_storage(cos), _storage(sin), positions)
+    in_place = sum(
+        flag for flag, x, out in zip(_IN_PLACE_FLAGS, inputs, outs, strict=False) if out is x
+    )
+    status = launch(views, args, call, in_place=in_place)
+    if status == OVERLAP:
+        # Rare: the byte ranges of an output and an input intersect. Copy the inputs
+        # that really share memory with an output, then launch without the range test.
+        if len(views) == 2 and np.shares_memory(views[0][1], views[1][1]):
+            raise ValueError("out_q and out_k share memory; give them separate buffers")
+        views, args = _separate_from_outs(views, args)
+        status = launch(views, args, call, check_overlap=False)
+    if status >= 0:
+        _raise_position_error(status, call, position_ids, position_offset)
+    return results
+
+
+def _kernel_positions(call: Call, position_ids: Any, position_offset: Any) -> Any:
+    """What the kernels take for positions: None, int32/int64 ids, int64 offsets, or
+    one ``np.int64`` offset for the whole batch.
+
+    Ids of other integer dtypes are range-checked as given (a uint64 id may not fit
+    int64) before conversion; a scalar offset is checked here. Everything else is
+    checked by the kernel before it writes.
+    """
+    kind = call.positions
+    if kind == "ids":
+        if position_ids.dtype in _KERNEL_ID_DTYPES:
+            return position_ids
+        bad = int(first_bad_position(position_ids, call.n_positions))
+        if bad >= 0:
+            _raise_position_error(bad, call, position_ids, None)
+        return position_ids.astype(np.int64)
+    if kind == "offset":
+        offset, seq_len = int(position_offset), call.seq_len
+        if seq_len and not 0 <= offset <= call.n_positions - seq_len:
+            raise offset_error(None, offset, seq_len, call.n_positions)
+        return np.int64(offset)
+    if kind == "offsets":
+        offsets = np.asarray(position_offset)
+        if offsets.dtype == np.uint64 and offsets.size and offsets.max() > _INT64_MAX:
+            b = int(np.argmax(offsets > _INT64_MAX))
+            raise offset_error(b, int(offsets[b]), call.seq_len, call.n_positions)
+        return offsets.astype(np.int64)
+    return None
+
+
+def _check_positions_on_host(call: Call, positions, position_ids, position_offset) -> None:
+    """The kernels check positions before they write; with nothing to rotate (an empty
+    input) no kernel runs, and bad positions are still an error."""
+    if call.positions == "ids":
+        bad = int(first_bad_position(positions, call.n_positions))
+    elif call.positions == "offsets":
+        bad = int(first_bad_offset(positions, call.n_positions, call.seq_len))
+    else:
+        return  # none, or one offset: checked by _kernel_positions
+    if bad >= 0:
+        _raise_position_error(bad, call, position_ids, position_offset)
+
+
+def _raise_position_error(index: int, call: Call, position_ids, position_offset):
+    """Decode a kernel's bad-position status: the flat index of an id, or the batch
+    entry of an offset."""
+    if position_ids is not None:
+        value = int(position_ids.reshape(-1)[index])
+        raise position_error(index, tuple(position_ids.shape), value, call.n_positions)
+    value = int(np.asarray(position_offset).reshape(-1)[index])
+    raise offset_error(index, value, call.seq_len, call.n_positions)
+
+
+def _same_elements(a: np.ndarray, b: np.ndarray) -> bool:
+    return (
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.strides == b.strides
+    )
+
+
+def _unshared(array, out):
+    """``array``, or a copy of it if it really shares memory with ``out``."""
+    if isinstance(array, np.ndarray) and np.shares_memory(array, out):
+        return array.copy()
+    return array
+
+
+def _separate_from_outs(views: tuple, args: tuple) -> tuple[tuple, tuple]:
+    """Copy the inputs that share memory with an output (exactly tested), except an
+    input that *is* its own output element for element: rotating in place is safe."""
+    outs = [out for _, out in views]
+    separated = []
+    for i, (x, own_out) in enumerate(views):
+        for j, out in enumerate(outs):
+            if not (i == j and _same_elements(x, out)):
+                x = _unshared(x, out)
+        separated.append((x, own_out))
+    for out in outs:
+        args = tuple(_unshared(a, out) for a in args)
+    return tuple(separated), args
+
+
+# -- launch policy: which kernel, how many threads, which row code ------------------------
+
+# numba's "workqueue" threading layer (the fallback when neither OpenMP nor TBB is
+# available) aborts the process when two Python threads enter a parallel region at
+# once. Until the layer in use is known to be thread-safe, parallel calls take a lock.
+_parallel_lock = threading.Lock()
+_threading_layer_is_safe = False
+
+#: Kernels by (interleaved, inverse, contiguous, in_place, words, streaming), made on
+#: first use.
+_kernel_sets: dict[tuple[bool, bool, bool, int, bool, bool], tuple] = {}
+
+
+def kernels(
+    interleaved: bool,
+    inverse: bool,
+    contiguous: bool,
+    in_place: int = 0,
+    words: bool = False,
+    streaming: bool = False,
+) -> tuple:
+    """``(serial, parallel)`` for these options (see
+    :func:`numba_rope._cpu.kernels.make_kernels`; ``words`` and ``streaming`` only with
+    ``contiguous``)."""
+    streaming = streaming and contiguous
+    words = words and contiguous
+    key = (interleaved, inverse, contiguous, int(in_place), words, streaming)
+    found = _kernel_sets.get(key)
+    if found is None:
+        found = _kernel_sets[key] = make_kernels(*key)
+    return found
+
+
+def streaming(rotary_dim: int, interleaved: bool, *outs) -> bool:
+    """Whether the kernels write these outputs (storage views, BHSD) with non-temporal
+    stores: outputs of at least ``config.STREAMING_MIN_BYTES`` together, float32 or
+    16-bit elements, and every row starting on ``STREAM_ALIGNMENT`` bytes, so do its
+    channels past ``rotary_dim`` and, for non-interleaved pairs, its second half
+    (which the streaming intrinsics of :mod:`numba_rope._cpu.vector` need)."""
+    if sum(out.nbytes for out in outs) < config.STREAMING_MIN_BYTES:
+        return False
+    offset = rotary_dim if interleaved else rotary_dim // 2  # of the last aligned part
+    for out in outs:
+        if out.itemsize > 4 or (offset * out.itemsize) % STREAM_ALIGNMENT:
+            return False
+        if out.ctypes.data % STREAM_ALIGNMENT:
+            return False
+        if any(stride % STREAM_ALIGNMENT for stride in out.strides[:-1]):
+            return False
+    return True
+
+
+def rows_contiguous(*arrays) -> bool:
+    """Whether every row of these arrays is contiguous (unit stride along the last axis):
+    the kernels then take rows as C-contiguous arrays over raw pointers."""
+    for array in arrays:
+        if array.strides[-1] != array.itemsize:
+            return False
+    return True
+
+
+def row_format(*arrays) -> tuple[bool, bool]:
+    """``(contiguous, words)`` of the kernels for these storage arrays: whether all
+    rows are contiguous (:func:`rows_contiguous`), and whether they are also all
+    bfloat16, to be taken two elements per 32-bit word."""
+    contiguous = rows_contiguous(*arrays)
+    return contiguous, contiguous and takes_words(*(a.dtype for a in arrays))
+
+
+def takes_words(*storage_dtypes) -> bool:
+    """Whether arrays of these storage dtypes are all bfloat16 (``words`` kernels)."""
+    return all(dtype == BFLOAT16_STORAGE for dtype in storage_dtypes)
+
+
+def work_split(batch: int, num_heads: int, seq_len: int, parallel: bool) -> tuple[int, int, int]:
+    """``(tile, n_groups, n_chunks)`` for an input of this logical shape.
+
+    Tiles of ``config.TOKENS_PER_TILE`` tokens; on one thread one group of all heads.
+    In parallel, ``n_chunks`` = threads x ``config.CHUNKS_PER_THREAD`` chunks of units,
+    and heads are split into groups only when there are fewer (batch, tile) units than
+    chunks (e.g. one long decode step with many heads).
+    """
+    tile = max(1, config.TOKENS_PER_TILE)
+    if not parallel:
+        return tile, 1, 1
+    n_chunks = max(1, numba.get_num_threads() * config.CHUNKS_PER_THREAD)
+    units = batch * -(-seq_len // tile)
+    n_groups = 1
+    if units < n_chunks:
+        n_groups = max(1, min(num_heads, -(-n_chunks // max(units, 1))))
+    return tile, n_groups, max(1, min(n_chunks, units * n_groups))
+
+
+def packed_caches(cos, sin, size: int, nbytes: int) -> tuple:
+    """The caches of a call with ``size`` input elements of ``nbytes`` bytes, as
+    C-contiguous copies when they are not and the call is large
+    (``config.PARALLEL_MIN_ELEMENTS``) and they are small beside it (together at most
+    a quarter of the input's bytes, so each row serves several heads).
+
+    A unit of work reuses its tile's cos/sin rows for every head. Caches computed from
+    broadcast positions (``np.cos(positions[..., None] * frequencies)`` with positions
+    broadcast over the batch) come out with strides ``(half, batch * half, 1)``
+    elements: a tile's rows lie a power of two apart, fall into a few cache sets and
+    are read again from L3 for every head. Packed, the batch prefill (8, 32, 1024,
+    128) with such caches took 7.6 instead of 15.0 ms in float16 and 15.0 instead of
+    18.4 ms in float32 (one process; with C-contiguous caches 6.1-7.4 and 12.9-14.5
+    ms). Copying the caches costs at most a quarter of a copy of the input, and
+    changes no result.
+    """
+    if size < config.PARALLEL_MIN_ELEMENTS or 4 * (cos.nbytes + sin.nbytes) > nbytes:
+        return cos, sin
+    return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
+
+
+def _run_parallel(kernel, args: tuple) -> int:
+    global _threading_layer_is_safe
+    if _threading_layer_is_safe:
+        return kernel(*args)
+    with _parallel_lock:
+        status = kernel(*args)
+        _threading_layer_is_safe = numba.threading_layer() in ("omp", "tbb")
+    return status
+
+
+def _parallel(size: int) -> bool:
+    return size >= config.PARALLEL_MIN_ELEMENTS and numba.get_num_threads() > 1
+
+
+def launch(views: tuple, args: tuple, call: Call, check_overlap=True, in_place: int = 0) -> int:
+    """Run a kernel on validated storage views: ``views`` holds ``(input, output)``
+    BHSD views of one or two tensors, ``args`` the caches and the kernel positions.
+    ``in_place``: which outputs are their inputs (:data:`FIRST_IN_PLACE`,
+    :data:`SECOND_IN_PLACE`, summed).
+
+    Returns DONE, OVERLAP (``check_overlap`` and an input overlaps an output) or the
+    index of the first bad position id (flat) or offset (batch entry); nothing is
+    written unless it returns DONE.
+    """
+    x, out = views[0]
+    k, out_k = views[1] if len(views) > 1 else (None, None)
+    cos, sin, positions = args
+    size = sum(v.size for v, _ in views)
+    cos, sin = packed_caches(cos, sin, size, sum(v.nbytes for v, _ in views))
+    contiguous, words = row_format(*(a for pair in views for a in pair), cos, sin)
+    stream = streaming(call.rotary_dim, call.interleaved, *(o for _, o in views))
+    serial, parallel = kernels(call.interleaved, call.inverse, contiguous, in_place, words, stream)
+    batch, _, seq_len, _ = x.shape
+    in_parallel = _parallel(size)
+    heads = max(v.shape[1] for v, _ in views)
+    tile, n_groups, n_chunks = work_split(batch, heads, seq_len, in_parallel)
+    arguments = (x, k, cos, sin, positions, out, out_k, call.rotary_dim, check_overlap)
+    if in_parallel:
+        return _run_parallel(parallel, (*arguments, tile, n_groups, n_chunks))
+    return serial(*arguments, tile, n_groups)
+
+
+# -- plans: small calls of a signature validated before -----------------------------------
+
+#: Plans of NumPy calls already validated, by :func:`plan_key`; see :func:`make_plan`.
+PLANS: dict[tuple, Any] = {}
+
+#: Most plans kept; past it the table starts again (a program uses a few shapes).
+MAX_PLANS = 512
+
+
+def plan_key(
+    x,
+    k,
+    cos,
+    sin,
+    position_ids,
+    out,
+    out_k,
+    interleaved,
+    rotary_dim,
+    layout,
+    num_heads,
+    num_kv_heads,
+    inverse,
+    offset=None,
+):
+    """What a call's validation depends on (shapes, dtypes, options), or None if the
+    call is not one a plan can run: every array a NumPy array, the options of exact
+    types (``1`` and ``True`` hash alike but only ``True`` is valid), no offset or a
+    Python ``int`` offset (its value is checked by the kernel). ``k`` and ``out_k`` are
+    None for one tensor (``x`` is a NumPy array: the caller has checked)."""
+    if (
+        not (offset is None or type(offset) is int)
+        or type(cos) is not np.ndarray
+        or type(sin) is not np.ndarray
+        or not (position_ids is None or type(position_ids) is np.ndarray)
+        or not (out is None or type(out) is np.ndarray)
+        or not (interleaved is False or interleaved is True)
+        or not (inverse is False or inverse is True)
+        or type(rotary_dim) is not int
+        or type(layout) is not str
+        or not (num_heads is None or type(num_heads) is int)
+    ):
+        return None
+    key = (
+        x.shape,
+        x.dtype,
+        cos.shape,
+        cos.dtype,
+        sin.shape,
+        sin.dtype,
+        None if position_ids is None else position_ids.shape,
+        None if position_ids is None else position_ids.dtype,
+        None if out is None else out.shape,
+        None if out is None else out.dtype,
+        interleaved,
+        rotary_dim,
+        layout,
+        num_heads,
+        inverse,
+        offset is None,
+    )
+    if k is None:
+        return key
+    if (
+        type(k) is not np.ndarray
+        or not (out_k is None or type(out_k) is np.ndarray)
+        or not (num_kv_heads is None or type(num_kv_heads) is int)
+    ):
+        return None
+    return (
+        *key,
+        k.shape,
+        k.dtype,
+        None if out_k is None else (out_k.shape, out_k.dtype),
+        num_kv_heads,
+    )
+
+
+def remember_plan(key: tuple, plan: Any) -> None:
+    if len(PLANS) >= MAX_PLANS:
+        PLANS.clear()
+    PLANS[key] = plan
+
+
+def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> Any:
+    """A function that runs further calls of this validated signature on one thread
+    with the least Python work, or None where the general path is needed anyway.
+
+    The plan takes the call's arrays (``k`` and ``out_k`` None for one tensor) and its
+    ``int`` position offset (or None), and returns the outputs, or None when the
+    general path must take over: an input too large for one thread or large enough to
+    stream (``config.STREAMING_MIN_BYTES``), a read-only output, an offset beyond
+    int64, or a kernel status other than DONE (an output overlapping an input, a bad
+    position). Nothing has been written then, so the general path runs the call again
+    from the start and raises or handles it.
+    """
+    if not all(x.size for x in inputs) or (
+        position_ids is not None and position_ids.dtype not in _KERNEL_ID_DTYPES
+    ):
+        return None
+    two = len(inputs) == 2
+    size = sum(x.size for x in inputs)
+    nbytes = sum(x.nbytes for x in inputs)
+    item, cache_item = inputs[0].dtype.itemsize, cos.dtype.itemsize
+    dtype, x_shape, k_shape = call.dtype, inputs[0].shape, inputs[-1].shape
+    storage, cache_storage = storage_dtype(call.dtype), storage_dtype(cos.dtype)
+    words = takes_words(storage, cache_storage)
+    layout, rotary_dim = call.layout, call.rotary_dim
+    x_logical, k_logical = call.shapes[0], call.shapes[-1]
+    to_bhsd = bhsd_steps(inputs[0].ndim, layout, x_logical) != (None, None)
+    serials: dict[tuple[bool, int], Any] = {}  # by (contiguous, in_place)
+
+    def plan(x, k, cos, sin, position_ids, out, out_k, offset=None):
+        if size >= config.PARALLEL_MIN_ELEMENTS or nbytes >= config.STREAMING_MIN_BYTES:
+            return None
+        if offset is not None:
+            if not _INT64_MIN <= offset <= _INT64_MAX:
+                return None
+            position_ids = offset  # the kernels take one offset as is
+        in_place = out is x
+        if out is None:
+            out = np.empty(x_shape, dtype)
+        elif not out.flags.writeable:
+            return None
+        x_view, out_view, k_view, out_k_view = x, out, None, None
+        if two:
+            in_place += (out_k is k) * SECOND_IN_PLACE
+            if out_k is None:
+                out_k = np.empty(k_shape, dtype)
+            elif not out_k.flags.writeable:
+                return None
+            k_view, out_k_view = k, out_k
+        if to_bhsd:
+            x_view = bhsd_array(x, layout, x_logical)
+            out_view = bhsd_array(out, layout, x_logical)
+            if two:
+                k_view = bhsd_array(k, layout, k_logical)
+                out_k_view = bhsd_array(out_k, layout, k_logical)
+        if storage is not None:
+            x_view, out_view = x_view.view(storage), out_view.view(storage)
+            if two:
+                k_view, out_k_view = k_view.view(storage), out_k_view.view(storage)
+        if cache_storage is not None:
+            cos, sin = cos.view(cache_storage), sin.view(cache_storage)
+        contiguous = (  # C-contiguous arrays first: a flag is cheaper than the strides
+            x.flags.c_contiguous
+            and out.flags.c_contiguous
+            and cos.flags.c_contiguous
+            and sin.flags.c_contiguous
+            and (not two or (k.flags.c_contiguous and out_k.flags.c_contiguous))
+        ) or (
+            x.strides[-1] == item
+            and out.strides[-1] == item
+            and cos.strides[-1] == cache_item
+            and sin.strides[-1] == cache_item
+            and (not two or (k.strides[-1] == item and out_k.strides[-1] == item))
+        )
+        serial = serials.get((contiguous, in_place))
+        if serial is None:
+            serial = kernels(call.interleaved, call.inverse, contiguous, in_place, words)[0]
+            serials[contiguous, in_place] = serial
+        status = serial(
+            x_view,
+            k_view,
+            cos,
+            sin,
+            position_ids,
+            out_view,
+            out_k_view,
+            rotary_dim,
+            True,
+            config.TOKENS_PER_TILE,
+            1,
+        )
+        if status != DONE:
+            return None
+        return (out, out_k) if two else (out,)
+
+    return plan

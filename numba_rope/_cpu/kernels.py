@@ -1,0 +1,452 @@
+"""CPU kernels: the loops of the ``@njit`` kernels over the rows of one or two tensors.
+
+A *row* is the ``head_size`` elements of one (batch, head, token). The kernels walk
+units of rows (a sequence's tile of tokens over its heads, see :func:`make_kernels`);
+the parallel kernels split the units into contiguous chunks so each thread streams
+through memory, and small inputs run the same loop on the calling thread. A call with
+two tensors (q and k) is the same kernel with a second tensor: unit by unit, q's heads
+then k's, so that k reuses the tile's cos/sin rows.
+
+The kernels trust their arguments: :mod:`numba_rope._validation` has checked shapes,
+dtypes and options; positions are checked here, before anything is written, and
+reported by a status code that :mod:`numba_rope._cpu.backend` decodes. float16 and
+bfloat16 arrays arrive as 16-bit integer views (see :mod:`numba_rope._conversions`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from numba_rope._conversions import narrow_like, widen
+from numba_rope._cpu.vector import row, store_fence, stream_copy, vector_pairs
+from numba_rope._geometry import byte_span_jit, spans_meet_jit
+from numba_rope._rotation import rotate_pair
+
+#: Kernel return codes besides the index of a bad position id or offset (>= 0).
+DONE = -1
+OVERLAP = -2
+
+#: ``in_place`` flags of the kernels: the first tensor's output is the tensor itself;
+#: the second's is.
+FIRST_IN_PLACE = 1
+SECOND_IN_PLACE = 2
+
+
+def _cache_row_index(cache, positions, b, s):  # pragma: no cover - see overload
+    """Index tuple of the cache row of token (b, s)."""
+    raise NotImplementedError
+
+
+@overload(_cache_row_index, inline="always")
+def _cache_row_index_overload(cache, positions, b, s):
+    # Chosen at compile time from the type of ``positions``: None (caches indexed by
+    # token), 2-D position ids, 1-D per-batch offsets or one offset for the whole batch
+    # (positions offset + s).
+    if isinstance(positions, types.NoneType):
+        return lambda cache, positions, b, s: (b, s)
+    if isinstance(positions, types.Integer):
+        return lambda cache, positions, b, s: (positions + s,)
+    if positions.ndim == 2:
+        return lambda cache, positions, b, s: (positions[b, s],)
+    return lambda cache, positions, b, s: (positions[b] + s,)
+
+
+def _cache_row_offset(cache, positions, b, s):  # pragma: no cover - see overload
+    """Byte offset of the cache row of token (b, s)."""
+    raise NotImplementedError
+
+
+@overload(_cache_row_offset, inline="always")
+def _cache_row_offset_overload(cache, positions, b, s):
+    if isinstance(positions, types.NoneType):
+        return lambda cache, positions, b, s: b * cache.strides[0] + s * cache.strides[1]
+    if isinstance(positions, types.Integer):
+        return lambda cache, positions, b, s: (positions + s) * cache.strides[0]
+    if positions.ndim == 2:
+        return lambda cache, positions, b, s: positions[b, s] * cache.strides[0]
+    return lambda cache, positions, b, s: (positions[b] + s) * cache.strides[0]
+
+
+@njit(cache=True, inline="always")
+def rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign, words, streaming):
+    """Rotate one row. Each pair is read before either of its elements is written, so
+    ``out_row`` may be ``x_row``.
+
+    The element loops below do any row, and LLVM vectorizes them. Two options hand
+    most pairs to loops written in LLVM vectors first (:func:`~numba_rope._cpu.vector.vector_pairs`), leaving
+    the element loops what is left over: ``words`` (rows of bfloat16, caches included:
+    two elements per 32-bit word, see :mod:`numba_rope._cpu.vector`) and ``streaming`` (non-temporal stores:
+    see :mod:`numba_rope._cpu.vector`, and :func:`~numba_rope._cpu.vector.stream_copy`
+    for the channels past ``rotary_dim``).
+
+    Inlined into kernels where the options are constants: :func:`~numba_rope._cpu.vector.vector_pairs` and
+    :func:`~numba_rope._cpu.vector.stream_copy` emit only the code they choose, LLVM drops the element loop
+    not in use, and a ``sign`` of +1 costs nothing. The indices are unsigned:
+    numba then emits no negative-index wrap-around, which would keep these loops from
+    vectorizing.
+    """
+    half = rotary_dim // 2
+    first = vector_pairs(
+        x_row, cos_row, sin_row, out_row, half, sign, interleaved, words, streaming
+    )
+    if interleaved:
+        for pair in range(first, half):
+            i = np.uint64(pair)
+            i1 = np.uint64(2 * pair)
+            i2 = np.uint64(2 * pair + 1)
+            y1, y2 = rotate_pair(
+                widen(x_row[i1]), widen(x_row[i2]), widen(cos_row[i]), widen(sin_row[i]) * sign
+            )
+            out_row[i1] = narrow_like(y1, out_row)
+            out_row[i2] = narrow_like(y2, out_row)
+    else:
+        for pair in range(first, half):
+            i = np.uint64(pair)
+            i2 = np.uint64(pair + half)
+            y1, y2 = rotate_pair(
+                widen(x_row[i]), widen(x_row[i2]), widen(cos_row[i]), widen(sin_row[i]) * sign
+            )
+            out_row[i] = narrow_like(y1, out_row)
+            out_row[i2] = narrow_like(y2, out_row)
+    copied = stream_copy(x_row, out_row, rotary_dim, x_row.shape[0], streaming)
+    for channel in range(copied, x_row.shape[0]):
+        i = np.uint64(channel)
+        out_row[i] = x_row[i]
+
+
+@njit(cache=True)
+def _n_units(batch, seq_len, tile, n_groups):
+    """Number of work units: (batch entry, tile of ``tile`` tokens, head group)."""
+    return batch * ((seq_len + tile - 1) // tile) * n_groups
+
+
+@njit(cache=True)
+def _unit_bounds(unit, seq_len, num_heads, tile, n_groups):
+    """``(b, first token, end token, first head, end head)`` of a work unit."""
+    n_tiles = (seq_len + tile - 1) // tile
+    group = unit % n_groups
+    b = unit // (n_tiles * n_groups)
+    s0 = (unit // n_groups - b * n_tiles) * tile
+    return (
+        b,
+        s0,
+        min(s0 + tile, seq_len),
+        group * num_heads // n_groups,
+        (group + 1) * num_heads // n_groups,
+    )
+
+
+@njit(cache=True, inline="always")
+def _contiguous_unit(
+    x,
+    cos,
+    sin,
+    positions,
+    out,
+    rotary_dim,
+    unit,
+    tile,
+    n_groups,
+    interleaved,
+    sign,
+    words,
+    streaming,
+):
+    """Rotate one unit (see :func:`make_kernels`) whose rows are all contiguous: as
+    C-contiguous arrays over raw pointers, which LLVM vectorizes fully (F16C
+    conversions for float16)."""
+    head_size = x.shape[3]
+    half = rotary_dim // 2
+    b, s0, s1, h0, h1 = _unit_bounds(unit, x.shape[2], x.shape[1], tile, n_groups)
+    for h in range(h0, h1):
+        for s in range(s0, s1):
+            x_offset = b * x.strides[0] + h * x.strides[1] + s * x.strides[2]
+            out_offset = b * out.strides[0] + h * out.strides[1] + s * out.strides[2]
+            rotate_row(
+                row(x, x_offset, head_size),
+                row(cos, _cache_row_offset(cos, positions, b, s), half),
+                row(sin, _cache_row_offset(sin, positions, b, s), half),
+                row(out, out_offset, head_size),
+                interleaved,
+                rotary_dim,
+                sign,
+                words,
+                streaming,
+            )
+
+
+@njit(cache=True, inline="always")
+def _strided_unit(x, cos, sin, positions, out, rotary_dim, unit, tile, n_groups, interleaved, sign):
+    """:func:`_contiguous_unit` for any strides: rows are slices (slower: each slice
+    updates a shared reference count)."""
+    b, s0, s1, h0, h1 = _unit_bounds(unit, x.shape[2], x.shape[1], tile, n_groups)
+    for h in range(h0, h1):
+        for s in range(s0, s1):
+            row_index = _cache_row_index(cos, positions, b, s)
+            rotate_row(
+                x[b, h, s],
+                cos[row_index],
+                sin[row_index],
+                out[b, h, s],
+                interleaved,
+                rotary_dim,
+                sign,
+                False,
+                False,
+            )
+
+
+@njit(cache=True, inline="always")
+def _unit(
+    x,
+    cos,
+    sin,
+    positions,
+    out,
+    rotary_dim,
+    unit,
+    tile,
+    n_groups,
+    contiguous,
+    interleaved,
+    sign,
+    words,
+    streaming,
+):
+    """Rotate one unit of one tensor by the row code its constant options choose."""
+    if contiguous:
+        _contiguous_unit(
+            x,
+            cos,
+            sin,
+            positions,
+            out,
+            rotary_dim,
+            unit,
+            tile,
+            n_groups,
+            interleaved,
+            sign,
+            words,
+            streaming,
+        )
+    else:
+        _strided_unit(
+            x, cos, sin, positions, out, rotary_dim, unit, tile, n_groups, interleaved, sign
+        )
+
+
+@njit(cache=True)
+def first_bad_position(position_ids, n_positions):
+    """Flat index of the first id outside ``[0, n_positions)``, or -1 if all are valid."""
+    flat = 0
+    for b in range(position_ids.shape[0]):
+        for s in range(position_ids.shape[1]):
+            p = position_ids[b, s]
+            if p < 0 or p >= n_positions:
+                return flat
+            flat += 1
+    return -1
+
+
+@njit(cache=True)
+def first_bad_offset(offsets, n_positions, seq_len):
+    """First batch entry whose positions ``offset .. offset + seq_len - 1`` leave
+    ``[0, n_positions)``, or -1."""
+    if seq_len == 0:
+        return -1
+    for b in range(offsets.shape[0]):
+        if offsets[b] < 0 or offsets[b] > n_positions - seq_len:
+            return b
+    return -1
+
+
+def _check_positions(positions, n_positions, seq_len):  # pragma: no cover - see overload
+    raise NotImplementedError
+
+
+@overload(_check_positions, inline="always")
+def _check_positions_overload(positions, n_positions, seq_len):
+    if isinstance(positions, types.NoneType):
+        return lambda positions, n_positions, seq_len: -1
+    if isinstance(positions, types.Integer):  # one offset: 0 (batch entry 0) if bad
+        return lambda positions, n_positions, seq_len: (
+            0 if seq_len and not 0 <= positions <= n_positions - seq_len else -1
+        )
+    if positions.ndim == 2:
+        return lambda positions, n_positions, seq_len: first_bad_position(positions, n_positions)
+    return lambda positions, n_positions, seq_len: first_bad_offset(positions, n_positions, seq_len)
+
+
+def _positions_span(positions):  # pragma: no cover - see overload
+    """:func:`~numba_rope._geometry.byte_span` of the position ids or offsets, or an
+    empty range for None or one offset."""
+    raise NotImplementedError
+
+
+@overload(_positions_span, inline="always")
+def _positions_span_overload(positions):
+    if isinstance(positions, (types.NoneType, types.Integer)):
+        return lambda positions: (0, 0)
+    return lambda positions: byte_span_jit(
+        positions.ctypes.data, positions.shape, positions.strides, positions.itemsize
+    )
+
+
+def _out_overlaps(x, k, cos, sin, positions, out, out_k):  # pragma: no cover - see overload
+    """Whether an input shares memory with an output other than as the very same
+    elements (rotating in place), or the two outputs share memory."""
+    raise NotImplementedError
+
+
+@overload(_out_overlaps, inline="always")
+def _out_overlaps_overload(x, k, cos, sin, positions, out, out_k):
+    # The spans are written out here, not in a helper taking arrays, so that a new
+    # dtype compiles no helper: byte_span_jit takes integers only.
+    # Early returns rather than one boolean expression: an inlined overload whose value
+    # is a chain of ``or`` trips numba's SSA checks.
+    if isinstance(k, types.NoneType):
+
+        def one_tensor(x, k, cos, sin, positions, out, out_k):
+            out_span = byte_span_jit(out.ctypes.data, out.shape, out.strides, out.itemsize)
+            same_elements = (x.ctypes.data == out.ctypes.data) & (x.strides == out.strides)
+            if not same_elements:  # rotating in place reads each element before writing it
+                x_span = byte_span_jit(x.ctypes.data, x.shape, x.strides, x.itemsize)
+                if spans_meet_jit(x_span, out_span):
+                    return True
+            cos_span = byte_span_jit(cos.ctypes.data, cos.shape, cos.strides, cos.itemsize)
+            if spans_meet_jit(cos_span, out_span):
+                return True
+            sin_span = byte_span_jit(sin.ctypes.data, sin.shape, sin.strides, sin.itemsize)
+            if spans_meet_jit(sin_span, out_span):
+                return True
+            return spans_meet_jit(_positions_span(positions), out_span)
+
+        return one_tensor
+
+    def two_tensors(x, k, cos, sin, positions, out, out_k):
+        # Each tensor against its own output, then across.
+        if _out_overlaps(x, None, cos, sin, positions, out, None):
+            return True
+        if _out_overlaps(k, None, cos, sin, positions, out_k, None):
+            return True
+        x_span = byte_span_jit(x.ctypes.data, x.shape, x.strides, x.itemsize)
+        k_span = byte_span_jit(k.ctypes.data, k.shape, k.strides, k.itemsize)
+        out_span = byte_span_jit(out.ctypes.data, out.shape, out.strides, out.itemsize)
+        out_k_span = byte_span_jit(out_k.ctypes.data, out_k.shape, out_k.strides, out_k.itemsize)
+        if spans_meet_jit(k_span, out_span):
+            return True
+        if spans_meet_jit(x_span, out_k_span):
+            return True
+        return spans_meet_jit(out_span, out_k_span)
+
+    return two_tensors
+
+
+@njit(cache=True, inline="always")
+def _preflight(x, k, cos, sin, positions, out, out_k, check_overlap):
+    """What must stop a launch before anything is written: OVERLAP (``check_overlap``
+    and :func:`_out_overlaps`), or the index of the first bad position; else DONE."""
+    if check_overlap:
+        if _out_overlaps(x, k, cos, sin, positions, out, out_k):
+            return OVERLAP
+    bad = _check_positions(positions, cos.shape[0], x.shape[2])
+    return DONE if bad < 0 else bad
+
+
+def make_kernels(
+    interleaved: bool,
+    inverse: bool,
+    contiguous: bool,
+    in_place: int,
+    words: bool,
+    streaming: bool,
+):
+    """The CPU kernels for one choice of options, compiled in as constants: each call
+    compiles only the code it runs.
+
+    ``contiguous``: every row of the input, the output and the caches is contiguous
+    (:func:`numba_rope._cpu.backend.rows_contiguous`; contiguous arrays, but also views such as ``qkv[...,
+    :128]`` or transposed layouts). Rows are then C-contiguous arrays over raw
+    pointers, which LLVM vectorizes fully (F16C conversions for float16); otherwise
+    they are slices (slower: each slice updates a shared reference count).
+    ``words``: the rows are contiguous bfloat16 rows, caches included, rotated two
+    elements per 32-bit word (see :func:`rotate_row`).
+    ``streaming``: contiguous rows whose output is written with non-temporal stores
+    (see :mod:`numba_rope._cpu.vector` and :func:`numba_rope._cpu.backend.streaming`).
+    ``in_place``: which outputs are their inputs themselves, a sum of
+    :data:`FIRST_IN_PLACE` (the first tensor) and :data:`SECOND_IN_PLACE`.
+    The kernel then reads and writes through the very same array, so that LLVM sees
+    the same pointers and vectorizes; given two pointers it can only test at run time
+    that they do not overlap, a test that fails when they are equal and falls back to
+    a scalar loop (in place measured 4-15x slower that way).
+
+    Work is split into *units*: one batch entry, a tile of ``tile`` consecutive tokens
+    and a group of heads. A unit rotates its heads one after the other, each over the
+    tile's tokens: the tile's cos/sin rows are reused by every head from the caches
+    while each head's rows stream through memory (``config.TOKENS_PER_TILE`` trades the
+    two). Units are numbered (batch, tile, group); the parallel kernels give each thread
+    contiguous chunks of them, and split heads into groups when there are few units.
+    The result does not depend on the split: every element is computed by the same
+    arithmetic.
+    """
+    sign = np.float32(-1.0 if inverse else 1.0)  # exact in every compute type
+    first_in_place = bool(in_place & FIRST_IN_PLACE)
+    second_in_place = bool(in_place & SECOND_IN_PLACE)
+
+    # Both kernels take ``k = out_k = None`` for one tensor: numba then compiles a
+    # kernel without the second tensor's code (``k is not None`` is decided by the type).
+
+    @njit(cache=True)
+    def serial(x, k, cos, sin, positions, out, out_k, rotary_dim, check_overlap, tile, n_groups):
+        if first_in_place:
+            out = x  # the same array, so that LLVM sees the same pointers (see above)
+        if second_in_place:
+            out_k = k
+        status = _preflight(x, k, cos, sin, positions, out, out_k, check_overlap)
+        if status != DONE:
+            return status
+        for unit in range(_n_units(x.shape[0], x.shape[2], tile, n_groups)):
+            _unit(
+                x, cos, sin, positions, out, rotary_dim, unit, tile, n_groups,
+                contiguous, interleaved, sign, words, streaming,
+            )  # fmt: skip
+            if k is not None:
+                _unit(
+                    k, cos, sin, positions, out_k, rotary_dim, unit, tile, n_groups,
+                    contiguous, interleaved, sign, words, streaming,
+                )  # fmt: skip
+        if streaming:
+            store_fence()
+        return DONE
+
+    @njit(parallel=True, cache=True)
+    def parallel(
+        x, k, cos, sin, positions, out, out_k, rotary_dim, check_overlap, tile, n_groups, n_chunks
+    ):
+        if first_in_place:
+            out = x  # the same array (see above)
+        if second_in_place:
+            out_k = k
+        status = _preflight(x, k, cos, sin, positions, out, out_k, check_overlap)
+        if status != DONE:
+            return status
+        n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
+        for chunk in prange(n_chunks):
+            for unit in range(chunk * n_units // n_chunks, (chunk + 1) * n_units // n_chunks):
+                _unit(
+                    x, cos, sin, positions, out, rotary_dim, unit, tile, n_groups,
+                    contiguous, interleaved, sign, words, streaming,
+                )  # fmt: skip
+                if k is not None:
+                    _unit(
+                        k, cos, sin, positions, out_k, rotary_dim, unit, tile, n_groups,
+                        contiguous, interleaved, sign, words, streaming,
+                    )  # fmt: skip
+            if streaming:
+                store_fence()
+        return DONE
+
+    return serial, parallel

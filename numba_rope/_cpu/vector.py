@@ -1,0 +1,423 @@
+"""The CPU kernels' hand-written LLVM vector steps.
+
+Each function here is a numba ``intrinsic``: its typing picks the code from the
+argument types and literal options, and its code generator emits LLVM IR straight into
+the kernel that calls it, so nothing here is compiled on its own. They exist where
+LLVM's loop vectorizer cannot be asked for what is needed: non-temporal stores
+(streaming large outputs past the cache), bfloat16 rows taken two elements per 32-bit
+word, and the row views over raw pointers that the loops of
+:mod:`numba_rope._cpu.kernels` rotate.
+
+The arithmetic is :func:`numba_rope._rotation.rotate_pair`'s, one rounding per
+operation and no contraction: a vector step gives the bits of the element loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+
+import numba
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+from numba.np.arrayobj import populate_array
+
+from numba_rope._conversions import (
+    BFLOAT16_STORAGE,
+    bfloat16_high_code,
+    bfloat16_low_code,
+    bfloat16_pair_code,
+    narrow_code,
+    widen_code,
+)
+
+#: The numba type of bfloat16 storage.
+BFLOAT16_TYPE = numba.from_dtype(BFLOAT16_STORAGE)
+
+
+@intrinsic
+def row(typingctx, array, byte_offset, length):
+    """A C-contiguous 1-D array over ``length`` elements of ``array`` starting at
+    ``byte_offset``: no copy and, unlike a slice, no reference count to update. An
+    intrinsic (emitted directly, nothing to inline) to keep compile times short."""
+    if not isinstance(array, types.Array):
+        return None
+    row_type = types.Array(array.dtype, 1, "C")
+
+    def codegen(context, builder, signature, args):
+        source = context.make_array(signature.args[0])(context, builder, args[0])
+        offset = context.cast(builder, args[1], signature.args[1], types.intp)
+        address = builder.add(builder.ptrtoint(source.data, ir.IntType(64)), offset)
+        row = context.make_array(row_type)(context, builder)
+        populate_array(
+            row,
+            data=builder.inttoptr(address, source.data.type),
+            shape=cgutils.pack_array(
+                builder, [context.cast(builder, args[2], signature.args[2], types.intp)]
+            ),
+            strides=cgutils.pack_array(builder, [source.itemsize]),
+            itemsize=source.itemsize,
+            meminfo=None,
+        )
+        return row._getvalue()
+
+    return row_type(array, byte_offset, length), codegen
+
+
+#: Pairs per step of the streaming loops; their stores need 16-byte alignment.
+STREAM_WIDTH = 8
+STREAM_ALIGNMENT = 16
+
+#: Storage types the streaming loops take (float32 and the 16-bit formats).
+_STREAM_TYPES = (types.float32, types.uint16, types.int16)
+
+_LANE = ir.IntType(32)
+
+
+class _Stream:
+    """LLVM code shared by the vector intrinsics (streaming and bfloat16 words): vectors
+    of :data:`STREAM_WIDTH` (or twice that) elements or words loaded from rows, and
+    stores into them, non-temporal ones for streaming."""
+
+    def __init__(self, context, builder):
+        self.builder = builder
+        self.intp = context.get_value_type(types.intp)
+        self.nontemporal = builder.module.add_metadata([ir.Constant(_LANE, 1)])
+
+    def pointer(self, array, index, lanes):
+        element = array.data.type.pointee
+        pointer = self.builder.gep(array.data, [index])
+        return self.builder.bitcast(pointer, ir.VectorType(element, lanes).as_pointer())
+
+    def load(self, array, index, numba_type, lanes=STREAM_WIDTH):
+        loaded = self.builder.load(
+            self.pointer(array, index, lanes), align=numba_type.bitwidth // 8
+        )
+        return widen_code(self.builder, numba_type, loaded)
+
+    def nontemporal_store(self, value, pointer):
+        """A non-temporal store, on :data:`STREAM_ALIGNMENT` bytes (which the caller
+        guarantees)."""
+        stored = self.builder.store(value, pointer)
+        stored.align = STREAM_ALIGNMENT
+        stored.set_metadata("nontemporal", self.nontemporal)
+
+    def store(self, value, array, index, numba_type, lanes=STREAM_WIDTH):
+        """``value`` narrowed to ``numba_type``, stored non-temporally at ``index``."""
+        narrowed = narrow_code(self.builder, numba_type, value)
+        self.nontemporal_store(narrowed, self.pointer(array, index, lanes))
+
+    def word_pointer(self, array, index):
+        """:data:`STREAM_WIDTH` 32-bit words of 16-bit storage from element ``index``."""
+        pointer = self.builder.gep(array.data, [index])
+        return self.builder.bitcast(pointer, ir.VectorType(_LANE, STREAM_WIDTH).as_pointer())
+
+    def load_words(self, array, index):
+        return self.builder.load(self.word_pointer(array, index), align=2)
+
+    def store_words(self, words, array, index, nontemporal):
+        """An ordinary store, or a non-temporal one (:meth:`nontemporal_store`)."""
+        if nontemporal:
+            self.nontemporal_store(words, self.word_pointer(array, index))
+        else:
+            self.builder.store(words, self.word_pointer(array, index)).align = 2
+
+    def splat(self, value):
+        vector = ir.Constant(ir.VectorType(value.type, STREAM_WIDTH), ir.Undefined)
+        for lane in range(STREAM_WIDTH):
+            vector = self.builder.insert_element(vector, value, ir.Constant(_LANE, lane))
+        return vector
+
+    def shuffle(self, first, second, lanes):
+        mask = ir.Constant(ir.VectorType(_LANE, len(lanes)), lanes)
+        return self.builder.shuffle_vector(first, second, mask)
+
+    def loop(self, start, count, step):
+        """``for_range_slice`` over ``[start, start + count)`` by ``step``."""
+        end = self.builder.add(start, count)
+        return cgutils.for_range_slice(
+            self.builder, start, end, ir.Constant(self.intp, step), self.intp
+        )
+
+    def steps(self, length):
+        """``length`` rounded down to a multiple of :data:`STREAM_WIDTH`."""
+        return self.builder.and_(length, ir.Constant(self.intp, -STREAM_WIDTH))
+
+    def rotate(self, x1, x2, cos, sin, sign):
+        """``rotate_pair`` on vectors: one rounding per operation, no contraction."""
+        builder = self.builder
+        sin = builder.fmul(sin, self.splat(sign))
+        return (
+            builder.fsub(builder.fmul(x1, cos), builder.fmul(x2, sin)),
+            builder.fadd(builder.fmul(x2, cos), builder.fmul(x1, sin)),
+        )
+
+
+def _stream_typing(x_row, cos_row, sin_row, out_row):
+    rows = (x_row, cos_row, sin_row, out_row)
+    return (
+        all(isinstance(row, types.Array) and row.dtype in _STREAM_TYPES for row in rows)
+        and x_row.dtype == out_row.dtype
+        and cos_row.dtype == sin_row.dtype
+    )
+
+
+def _word_typing(x_row, cos_row, sin_row, out_row):
+    rows = (x_row, cos_row, sin_row, out_row)
+    return all(isinstance(row, types.Array) and row.dtype == BFLOAT16_TYPE for row in rows)
+
+
+def _stream_arguments(context, builder, signature, args):
+    rows = [
+        context.make_array(kind)(context, builder, value)
+        for kind, value in zip(signature.args[:4], args[:4], strict=True)
+    ]
+    half = context.cast(builder, args[4], signature.args[4], types.intp)
+    sign = context.cast(builder, args[5], signature.args[5], types.float32)
+    return rows, signature.args[0].dtype, signature.args[1].dtype, half, sign
+
+
+def _stream_pairs(x_row, cos_row, sin_row, out_row, half, sign):
+    """Typing of a :func:`vector_pairs` step: rotate the first ``n`` pairs of a row of
+    ``half`` non-interleaved pairs, ``n`` = ``half`` rounded down to a multiple of
+    :data:`STREAM_WIDTH`, and return ``n``.
+
+    Written in LLVM vectors so that the stores can be non-temporal: the output goes to
+    memory without first being read into the cache (a third of the memory traffic of
+    a large RoPE), which LLVM's loop vectorizer does not do for stores of unknown
+    alignment. The caller guarantees that the output row and its second half start
+    on :data:`STREAM_ALIGNMENT` bytes (see :func:`numba_rope._cpu.backend.streaming`); loads need no
+    alignment. The arithmetic is :func:`numba_rope._rotation.rotate_pair`'s, one
+    rounding per operation, no contraction: the bits of the element loop.
+    """
+    if not _stream_typing(x_row, cos_row, sin_row, out_row):
+        return None
+
+    def codegen(context, builder, signature, args):
+        (x, cos, sin, out), x_type, cache_type, half, sign = _stream_arguments(
+            context, builder, signature, args
+        )
+        stream = _Stream(context, builder)
+        count = stream.steps(half)
+        with stream.loop(ir.Constant(stream.intp, 0), count, STREAM_WIDTH) as (first, _):
+            second = builder.add(first, half)
+            y1, y2 = stream.rotate(
+                stream.load(x, first, x_type),
+                stream.load(x, second, x_type),
+                stream.load(cos, first, cache_type),
+                stream.load(sin, first, cache_type),
+                sign,
+            )
+            stream.store(y1, out, first, x_type)
+            stream.store(y2, out, second, x_type)
+        return count
+
+    return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
+
+
+#: Lanes of a vector of 2 x STREAM_WIDTH interleaved elements: the first and the
+#: second of each pair, and back.
+_FIRSTS = list(range(0, 2 * STREAM_WIDTH, 2))
+_SECONDS = list(range(1, 2 * STREAM_WIDTH, 2))
+_INTERLEAVED = [lane for pair in range(STREAM_WIDTH) for lane in (pair, pair + STREAM_WIDTH)]
+
+
+def _stream_interleaved_pairs(x_row, cos_row, sin_row, out_row, half, sign):
+    """:func:`_stream_pairs` for interleaved pairs (the output row must start on
+    :data:`STREAM_ALIGNMENT` bytes): :data:`STREAM_WIDTH` pairs are loaded as one
+    vector, split into firsts and seconds, and merged back after the rotation."""
+    if not _stream_typing(x_row, cos_row, sin_row, out_row):
+        return None
+
+    def codegen(context, builder, signature, args):
+        (x, cos, sin, out), x_type, cache_type, half, sign = _stream_arguments(
+            context, builder, signature, args
+        )
+        stream = _Stream(context, builder)
+        count = stream.steps(half)
+        lanes = 2 * STREAM_WIDTH
+        with stream.loop(ir.Constant(stream.intp, 0), count, STREAM_WIDTH) as (pair, _):
+            element = builder.add(pair, pair)
+            pairs = stream.load(x, element, x_type, lanes)
+            y1, y2 = stream.rotate(
+                stream.shuffle(pairs, pairs, _FIRSTS),
+                stream.shuffle(pairs, pairs, _SECONDS),
+                stream.load(cos, pair, cache_type),
+                stream.load(sin, pair, cache_type),
+                sign,
+            )
+            stream.store(stream.shuffle(y1, y2, _INTERLEAVED), out, element, x_type, lanes)
+        return count
+
+    return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
+
+
+def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
+    """Rotate the first ``n`` pairs of a row of bfloat16 (caches included), ``half``
+    non-interleaved pairs, two elements per 32-bit word (see
+    :mod:`numba_rope._conversions`), and return ``n``: ``2 * STREAM_WIDTH`` pairs a
+    step, ordinary stores. The same arithmetic per element as the element loop, a
+    quarter fewer instructions. Written in LLVM vectors rather than as a numba loop:
+    numba inlines every branch of :func:`numba_rope._cpu.kernels.rotate_row` before dropping the dead ones,
+    and this code would cost every kernel's compilation, bfloat16 or not."""
+    if not _word_typing(x_row, cos_row, sin_row, out_row):
+        return None
+
+    def codegen(context, builder, signature, args):
+        (x, cos, sin, out), _, _, half, sign = _stream_arguments(context, builder, signature, args)
+        stream = _Stream(context, builder)
+        words = stream.steps(builder.sdiv(half, ir.Constant(stream.intp, 2)))
+        count = builder.add(words, words)  # pairs, 2 per word
+        step = 2 * STREAM_WIDTH
+        with stream.loop(ir.Constant(stream.intp, 0), count, step) as (first, _):
+            second = builder.add(first, half)
+            a, b = stream.load_words(x, first), stream.load_words(x, second)
+            c, s = stream.load_words(cos, first), stream.load_words(sin, first)
+            y1_low, y2_low = stream.rotate(
+                *(bfloat16_low_code(builder, w) for w in (a, b, c, s)), sign
+            )
+            y1_high, y2_high = stream.rotate(
+                *(bfloat16_high_code(builder, w) for w in (a, b, c, s)), sign
+            )
+            y1 = bfloat16_pair_code(builder, y1_low, y1_high)
+            stream.store_words(y1, out, first, nontemporal)
+            y2 = bfloat16_pair_code(builder, y2_low, y2_high)
+            stream.store_words(y2, out, second, nontemporal)
+        return count
+
+    return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
+
+
+def _word_interleaved_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
+    """:func:`_word_pairs_typing` for interleaved pairs: word ``i`` of a row holds pair ``i``
+    (``x1`` low, ``x2`` high), in and out; :data:`STREAM_WIDTH` pairs a step."""
+    if not _word_typing(x_row, cos_row, sin_row, out_row):
+        return None
+
+    def codegen(context, builder, signature, args):
+        (x, cos, sin, out), _, cache_type, half, sign = _stream_arguments(
+            context, builder, signature, args
+        )
+        stream = _Stream(context, builder)
+        count = stream.steps(half)
+        with stream.loop(ir.Constant(stream.intp, 0), count, STREAM_WIDTH) as (pair, _):
+            element = builder.add(pair, pair)
+            pairs = stream.load_words(x, element)
+            y1, y2 = stream.rotate(
+                bfloat16_low_code(builder, pairs),
+                bfloat16_high_code(builder, pairs),
+                stream.load(cos, pair, cache_type),
+                stream.load(sin, pair, cache_type),
+                sign,
+            )
+            stream.store_words(bfloat16_pair_code(builder, y1, y2), out, element, nontemporal)
+        return count
+
+    return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
+
+
+#: The vector step of a row (typing functions) by (interleaved, words, streaming): the
+#: word loops (ordinary stores), their streaming forms (non-temporal stores) and the
+#: streaming element vectors; see :func:`vector_pairs`.
+_VECTOR_PAIRS = {
+    (False, True, False): functools.partial(_word_pairs_typing, False),
+    (True, True, False): functools.partial(_word_interleaved_pairs_typing, False),
+    (False, True, True): functools.partial(_word_pairs_typing, True),
+    (True, True, True): functools.partial(_word_interleaved_pairs_typing, True),
+    (False, False, True): _stream_pairs,
+    (True, False, True): _stream_interleaved_pairs,
+}
+
+
+def _flag(value) -> bool | None:
+    """The value of a compile-time boolean option (its literal type), else None."""
+    return value.literal_value if isinstance(value, types.BooleanLiteral) else None
+
+
+@intrinsic(prefer_literal=True)
+def vector_pairs(
+    typingctx, x_row, cos_row, sin_row, out_row, half, sign, interleaved, words, streaming
+):
+    """The vector step of a row: rotate its first ``n`` pairs and return ``n``, by the
+    loop that the constant options choose, or none (``n`` = 0), leaving the rest to
+    the element loops of :func:`numba_rope._cpu.kernels.rotate_row`. One intrinsic whose typing picks the
+    code: numba inlines a function with every branch before it drops the dead ones, so
+    a chain of branches to six intrinsics cost every kernel's compilation."""
+    options = (_flag(interleaved), _flag(words), _flag(streaming))
+    if None in options:
+        return None  # the options must be compile-time constants
+    rows = (x_row, cos_row, sin_row, out_row, half, sign)
+    typing = _VECTOR_PAIRS.get(options)
+    if typing is None:
+
+        def codegen(context, builder, signature, args):
+            return context.get_constant(types.intp, 0)
+
+    else:
+        typed = typing(*rows)
+        if typed is None:
+            return None
+        inner_signature, inner_codegen = typed
+
+        def codegen(context, builder, signature, args):
+            return inner_codegen(context, builder, inner_signature, args[:6])
+
+    return types.intp(*rows, interleaved, words, streaming), codegen
+
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+@intrinsic
+def store_fence(typingctx):
+    """A store fence: non-temporal stores are weakly ordered, so each thread that made
+    some fences them before it reports its work done, whatever the threading layer's
+    own barrier guarantees. ``sfence`` on x86, the instruction documented for ordering
+    non-temporal stores (LLVM would turn a plain fence into a locked ``or``), a full
+    fence elsewhere."""
+
+    def codegen(context, builder, signature, args):
+        if _X86:
+            sfence = builder.module.declare_intrinsic(
+                "llvm.x86.sse.sfence", fnty=ir.FunctionType(ir.VoidType(), [])
+            )
+            builder.call(sfence, [])
+        else:
+            builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@intrinsic(prefer_literal=True)
+def stream_copy(typingctx, x_row, out_row, start, end, streaming):
+    """With ``streaming`` (a constant): copy elements ``[start, m)`` of a row with
+    non-temporal stores, ``m - start`` the largest multiple of :data:`STREAM_WIDTH` up
+    to ``end``, and return ``m`` (the channels past ``rotary_dim``; element ``start``
+    of the output must be on :data:`STREAM_ALIGNMENT` bytes). Without: return
+    ``start``, copying nothing."""
+    if not (isinstance(x_row, types.Array) and x_row.dtype == getattr(out_row, "dtype", None)):
+        return None
+    if _flag(streaming) is None:
+        return None
+    signature = types.intp(x_row, out_row, start, end, streaming)
+    if not _flag(streaming):
+        return signature, lambda context, builder, signature, args: context.cast(
+            builder, args[2], signature.args[2], types.intp
+        )
+
+    def codegen(context, builder, signature, args):
+        x = context.make_array(signature.args[0])(context, builder, args[0])
+        out = context.make_array(signature.args[1])(context, builder, args[1])
+        start = context.cast(builder, args[2], signature.args[2], types.intp)
+        end = context.cast(builder, args[3], signature.args[3], types.intp)
+        stream = _Stream(context, builder)
+        count = stream.steps(builder.sub(end, start))
+        with stream.loop(start, count, STREAM_WIDTH) as (index, _):
+            loaded = builder.load(stream.pointer(x, index, STREAM_WIDTH), align=1)
+            stream.nontemporal_store(loaded, stream.pointer(out, index, STREAM_WIDTH))
+        return builder.add(start, count)
+
+    return signature, codegen
