@@ -84,13 +84,13 @@ class Device:
         simulator; on a GPU ptxas may contract into FMA."""
         return self.name == "cpu" or simulator()
 
-    def view(self, host_base, host_view):
-        """``(view, base)``: ``host_view``, a view into ``host_base``, on this device:
-        the host arrays themselves on the CPU, else the same offset and strides over a
-        device copy of ``host_base``."""
+    def views(self, host_base, *host_views):
+        """``(base, *views)``: ``host_base`` and views into it (any strides, any dtype
+        over the same bytes) on this device: the host arrays themselves on the CPU, else
+        the same offsets and strides over one device copy of ``host_base``."""
         if self.name == "cpu":
-            return host_view, host_base
-        return gpu_view(host_base, host_view)
+            return (host_base, *host_views)
+        return gpu_views(host_base, *host_views)
 
     def assert_contract(self, got, x, cos, sin, ids=None, interleaved=False, rotary_dim=0):
         """On the CPU bit for bit; on GPU arrays :func:`assert_matches_contract`."""
@@ -126,13 +126,17 @@ def gpu(request) -> Device:
     return _gpu_movers(request)
 
 
-def gpu_view(host_base: np.ndarray, host_view: np.ndarray):
-    """The device twin of ``host_view``, a view into ``host_base`` (any strides, negative
-    too, any dtype over the same bytes): the same offset and strides over a device copy
-    of ``host_base``. Returns the view and the device base."""
+def gpu_views(host_base: np.ndarray, *host_views: np.ndarray):
+    """``(base, *views)``: a device copy of ``host_base`` and the device twins of
+    ``host_views``, views into ``host_base`` (any strides, negative too, any dtype over
+    the same bytes): the same offsets and strides over that copy."""
     from numba import cuda
 
     base = cuda.to_device(host_base)
+    return (base, *(_gpu_view(cuda, base, host_base, view) for view in host_views))
+
+
+def _gpu_view(cuda, base, host_base: np.ndarray, host_view: np.ndarray):
     offset = host_view.__array_interface__["data"][0] - host_base.__array_interface__["data"][0]
     if simulator():
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
@@ -144,7 +148,7 @@ def gpu_view(host_base: np.ndarray, host_view: np.ndarray):
             offset=offset,
             strides=host_view.strides,
         )
-        return FakeCUDAArray(view), base
+        return FakeCUDAArray(view)
     storage = np.dtype(np.uint16) if host_view.dtype == BFLOAT16 else host_view.dtype
     description = {
         "shape": host_view.shape,
@@ -154,7 +158,7 @@ def gpu_view(host_base: np.ndarray, host_view: np.ndarray):
         "version": 3,
     }
     view = cuda.from_cuda_array_interface(description, owner=base, sync=False)
-    return (view.view(BFLOAT16) if storage != host_view.dtype else view), base
+    return view.view(BFLOAT16) if storage != host_view.dtype else view
 
 
 def assert_matches_contract(got, x, cos, sin, ids=None, interleaved=False, rotary_dim=0):
