@@ -122,33 +122,7 @@ def test_device_conversions_match_numpy_and_ml_dtypes():
         assert_bitwise_equal(to_host(float16_rounded), values.astype(np.float16))
 
 
-# -- position ids: IndexError by default, NaN rows when the check is skipped -------------
-
-
-@pytest.mark.parametrize(
-    ("bad_value", "where", "id_dtype"),
-    [(-1, (1, 2), np.int64), (10, (0, 3), np.int32), (2**64 - 1, (1, 1), np.uint64)],
-)
-def test_out_of_range_position_id_raises_before_writing(bad_value, where, id_dtype):
-    x = np.ones((2, 3, 4, 8), np.float32)
-    cache = np.ones((10, 4), np.float32)
-    ids = np.zeros((2, 4), id_dtype)
-    ids[where] = bad_value
-    dx = to_gpu(x)
-    with pytest.raises(
-        IndexError, match=rf"position_ids\[{where[0]}, {where[1]}\] = {bad_value} .* \[0, 9\]"
-    ):
-        numba_rope.rotary_embedding(dx, to_gpu(cache), to_gpu(cache), to_gpu(ids), out=dx)
-    np.testing.assert_array_equal(to_host(dx), x)  # nothing written
-
-
-def test_first_bad_position_is_the_first_in_row_major_order(rng):
-    x, cos, sin, ids = make_case(rng, (3, 1, 5, 4), np.float32, n_positions=6)
-    ids[2, 0] = 50
-    ids[1, 3] = -7
-    ids[1, 4] = 99
-    with pytest.raises(IndexError, match=r"position_ids\[1, 3\] = -7"):
-        numba_rope.rotary_embedding(to_gpu(x), to_gpu(cos), to_gpu(sin), to_gpu(ids))
+# -- position ids: NaN rows when the check is skipped (the check: test_validation.py) ---
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -186,7 +160,7 @@ def test_cpu_ignores_the_skip_switch_and_still_checks():
         numba_rope.rotary_embedding(x, cache, cache, np.array([[0, 3]]), check_position_ids=False)
 
 
-# -- errors ---------------------------------------------------------------------------------
+# -- host and GPU arrays mixed, streams, imports -------------------------------------------
 
 
 def _good_gpu_args(dtype=np.float32):
@@ -220,63 +194,6 @@ def test_mixing_host_and_gpu_arrays_is_type_error(host_argument):
 def test_host_out_for_gpu_input_is_type_error():
     with pytest.raises(TypeError, match=r"out is a NumPy array on the host"):
         numba_rope.rotary_embedding(**_good_gpu_args(), out=np.zeros((2, 3, 4, 8), np.float32))
-
-
-GPU_TYPE_ERRORS = {
-    "int input": ({"input": np.ones((2, 3, 4, 8), np.int32)}, "int32"),
-    "float64 caches for float32": (
-        {"cos_cache": np.ones((10, 4)), "sin_cache": np.ones((10, 4))},
-        "float64",
-    ),
-    "cos/sin dtypes differ": ({"sin_cache": np.ones((10, 4), np.float16)}, "same dtype"),
-    "float position ids": ({"position_ids": np.zeros((2, 4))}, "position_ids must be an integer"),
-    "list cache": ({"cos_cache": [[1.0] * 4] * 10}, "list"),
-}
-
-
-@pytest.mark.parametrize("case", GPU_TYPE_ERRORS, ids=str)
-def test_type_errors(case):
-    changes, fragment = GPU_TYPE_ERRORS[case]
-    args = _good_gpu_args()
-    args.update({k: v if isinstance(v, list) else to_gpu(v) for k, v in changes.items()})
-    with pytest.raises(TypeError, match=fragment):
-        _call_leaves_out_untouched(args)
-
-
-GPU_VALUE_ERRORS = {
-    "3-D input without num_heads": (
-        {"input": np.ones((2, 3, 8), np.float32)},
-        {},
-        "needs num_heads=",
-    ),
-    "odd rotary dim": ({}, {"rotary_embedding_dim": 3}, "must be even"),
-    "cache width": (
-        {"cos_cache": np.ones((10, 3), np.float32), "sin_cache": np.ones((10, 3), np.float32)},
-        {},
-        "rotary_dim/2 = 4",
-    ),
-    "ids shape": ({"position_ids": np.zeros((2, 5), np.int64)}, {}, r"\(2, 4\), got \(2, 5\)"),
-}
-
-
-@pytest.mark.parametrize("case", GPU_VALUE_ERRORS, ids=str)
-def test_value_errors(case):
-    changes, kwargs, fragment = GPU_VALUE_ERRORS[case]
-    args = _good_gpu_args()
-    args.update({k: to_gpu(v) for k, v in changes.items()})
-    with pytest.raises(ValueError, match=fragment):
-        _call_leaves_out_untouched(args, **kwargs)
-
-
-def test_out_of_wrong_dtype_and_shape():
-    with pytest.raises(TypeError, match="out must have the input's dtype float32, got float16"):
-        numba_rope.rotary_embedding(
-            **_good_gpu_args(), out=cuda.device_array((2, 3, 4, 8), np.float16)
-        )
-    with pytest.raises(ValueError, match="out must have the input's shape"):
-        numba_rope.rotary_embedding(
-            **_good_gpu_args(), out=cuda.device_array((2, 3, 4, 6), np.float32)
-        )
 
 
 def test_stream_argument():
