@@ -16,8 +16,19 @@ if "NUMBA_ENABLE_CUDASIM" not in os.environ and not _has_nvidia_gpu():
 
         numba.core.config.reload_config()
 
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from oracles import (  # noqa: E402
+    BFLOAT16,
+    assert_bitwise_equal,
+    float32_contract,
+    ulp_of,
+)
+
+DEVICES = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture
@@ -42,3 +53,140 @@ def small_cuda_launches(monkeypatch):
     monkeypatch.setattr(config, "CUDA_THREADS_PER_BLOCK", 4)
     monkeypatch.setattr(config, "CUDA_HEADS_PER_THREAD", 2)
     monkeypatch.setattr(config, "CUDA_MAX_BLOCKS", 2)
+
+
+# -- devices: the same test on NumPy arrays and on GPU arrays --------------------------
+
+
+def simulator() -> bool:
+    """Whether GPU arrays live in numba's CUDA simulator (else on a real GPU)."""
+    from numba.core import config
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where a test's arrays live. ``on`` moves a NumPy array there (anything else, None,
+    scalars and lists, passes as it is), ``off`` brings a result back as a NumPy array;
+    it unpacks as ``on, off = device``."""
+
+    name: str
+    on: Callable
+    off: Callable
+
+    def __iter__(self):
+        return iter((self.on, self.off))
+
+    @property
+    def exact(self) -> bool:
+        """Results equal the float32 contract bit for bit: on the CPU and in the CUDA
+        simulator; on a GPU ptxas may contract into FMA."""
+        return self.name == "cpu" or simulator()
+
+    def views(self, host_base, *host_views):
+        """``(base, *views)``: ``host_base`` and views into it (any strides, any dtype
+        over the same bytes) on this device: the host arrays themselves on the CPU, else
+        the same offsets and strides over one device copy of ``host_base``."""
+        if self.name == "cpu":
+            return (host_base, *host_views)
+        return gpu_views(host_base, *host_views)
+
+    def assert_contract(self, got, x, cos, sin, ids=None, interleaved=False, rotary_dim=0):
+        """On the CPU bit for bit; on GPU arrays :func:`assert_matches_contract`."""
+        if self.name == "cpu":
+            want = float32_contract(x, cos, sin, ids, interleaved, rotary_dim)
+            assert_bitwise_equal(got, want)
+        else:
+            assert_matches_contract(got, x, cos, sin, ids, interleaved, rotary_dim)
+
+
+def _gpu_movers(request) -> Device:
+    cuda = pytest.importorskip("numba.cuda")
+    request.getfixturevalue("small_cuda_launches")
+
+    def to_gpu(a):
+        return cuda.to_device(np.ascontiguousarray(a)) if isinstance(a, np.ndarray) else a
+
+    return Device("gpu", to_gpu, lambda d: d.copy_to_host())
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> Device:
+    """NumPy arrays, or numba device arrays with the CUDA launch shrunk so that tiny
+    inputs span several blocks. Parametrize it indirectly with "cpu" and
+    ``pytest.param("gpu", marks=pytest.mark.gpu)`` to give each its own cases."""
+    if request.param == "cpu":
+        return Device("cpu", lambda a: a, lambda a: a)
+    return _gpu_movers(request)
+
+
+@pytest.fixture
+def gpu(request) -> Device:
+    return _gpu_movers(request)
+
+
+def gpu_views(host_base: np.ndarray, *host_views: np.ndarray):
+    """``(base, *views)``: a device copy of ``host_base`` and the device twins of
+    ``host_views``, views into ``host_base`` (any strides, negative too, any dtype over
+    the same bytes): the same offsets and strides over that copy."""
+    from numba import cuda
+
+    base = cuda.to_device(host_base)
+    return (base, *(_gpu_view(cuda, base, host_base, view) for view in host_views))
+
+
+def _gpu_view(cuda, base, host_base: np.ndarray, host_view: np.ndarray):
+    offset = host_view.__array_interface__["data"][0] - host_base.__array_interface__["data"][0]
+    if simulator():
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        view = np.ndarray(
+            host_view.shape,
+            host_view.dtype,
+            buffer=base._ary,
+            offset=offset,
+            strides=host_view.strides,
+        )
+        return FakeCUDAArray(view)
+    storage = np.dtype(np.uint16) if host_view.dtype == BFLOAT16 else host_view.dtype
+    description = {
+        "shape": host_view.shape,
+        "strides": host_view.strides,
+        "data": (base.device_ctypes_pointer.value + offset, False),
+        "typestr": storage.str,
+        "version": 3,
+    }
+    view = cuda.from_cuda_array_interface(description, owner=base, sync=False)
+    return view.view(BFLOAT16) if storage != host_view.dtype else view
+
+
+def assert_matches_contract(got, x, cos, sin, ids=None, interleaved=False, rotary_dim=0):
+    """A GPU result: bit for bit in the simulator; on a GPU within one unit in the last
+    place of the output dtype at the scale of the terms (FMA contraction)."""
+    want = float32_contract(x, cos, sin, ids, interleaved, rotary_dim)
+    if simulator():
+        assert_bitwise_equal(got, want)
+    else:
+        assert got.dtype == want.dtype and got.shape == want.shape
+        g, w = got.astype(np.float64), want.astype(np.float64)
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        finite = np.isfinite(w)
+        np.testing.assert_array_equal(g[~finite & ~np.isnan(w)], w[~finite & ~np.isnan(w)])
+        scale = (
+            np.abs(x.astype(np.float64)).max()
+            * (np.abs(cos.astype(np.float64)) + np.abs(sin.astype(np.float64))).max()
+        )
+        assert np.abs(g[finite] - w[finite]).max(initial=0) <= ulp_of(x.dtype) * scale
+    # And within the rounding of the format from the float64 reference.
+    from numba_rope import reference
+
+    with np.errstate(all="ignore"):
+        ref = reference.rotary_embedding(
+            x, cos, sin, ids, interleaved=interleaved, rotary_embedding_dim=rotary_dim
+        ).astype(np.float64)
+    finite = np.isfinite(ref)
+    scale = np.abs(x.astype(np.float64)).max(initial=0) * 2
+    assert np.allclose(
+        got.astype(np.float64)[finite], ref[finite], rtol=0, atol=4 * ulp_of(x.dtype) * scale
+    )

@@ -11,31 +11,6 @@ import numba_rope
 from numba_rope import reference
 
 DTYPE_IDS = [d.name for d in DTYPES]
-DEVICES = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
-
-
-def _gpu_movers(request):
-    cuda = pytest.importorskip("numba.cuda")
-    request.getfixturevalue("small_cuda_launches")
-
-    def to_gpu(a):
-        return a if a is None or np.isscalar(a) else cuda.to_device(np.ascontiguousarray(a))
-
-    return to_gpu, (lambda d: d.copy_to_host())
-
-
-@pytest.fixture(params=DEVICES)
-def device(request):
-    """``(to_device, to_host)`` for NumPy arrays, or for numba device arrays with the
-    CUDA launch shrunk so that tiny inputs span several blocks."""
-    if request.param == "cpu":
-        return (lambda a: a), (lambda a: a)
-    return _gpu_movers(request)
-
-
-@pytest.fixture
-def gpu(request):
-    return _gpu_movers(request)
 
 
 def contract_bhsd(x_bhsd, cos, sin, ids=None, interleaved=False, rotary_dim=0, inverse=False):

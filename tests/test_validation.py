@@ -1,11 +1,11 @@
 """Every bad input raises the stated exception, with a useful message, before anything
-is written."""
+is written: on NumPy arrays and on GPU arrays alike (``device``, see conftest.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from oracles import BFLOAT16
+from oracles import BFLOAT16, make_case
 
 import numba_rope
 
@@ -24,15 +24,19 @@ def good(with_ids=True, dtype=np.float32, cache_dtype=None):
     return {"input": x, "cos_cache": cache, "sin_cache": cache.copy(), "position_ids": ids}
 
 
-def call(args, **kwargs):
+def call(device, args, **kwargs):
+    """The call on ``device`` (NumPy arrays moved there, anything else as it is), ``out``
+    by default full of 7.0, which must be as it was afterwards."""
+    on, off = device
     dtype = getattr(args["input"], "dtype", np.float32)
     out = np.full((B, H, S, D), 7.0, dtype) if "out" not in kwargs else kwargs.pop("out")
-    sentinel = None if out is None else out.copy()
+    moved = {name: on(value) for name, value in args.items()}
+    device_out = on(out)
     try:
-        numba_rope.rotary_embedding(**args, out=out, **kwargs)
+        numba_rope.rotary_embedding(**moved, out=device_out, **kwargs)
     finally:
         if out is not None:
-            np.testing.assert_array_equal(out, sentinel)  # nothing written
+            np.testing.assert_array_equal(off(device_out), out)  # nothing written
 
 
 def replace(args, **changes):
@@ -49,42 +53,52 @@ TYPE_ERRORS = {
         replace(good(dtype=np.float16), sin_cache=np.ones((10, 4), np.float32)),
         "same dtype",
     ),
+    "cos/sin dtypes differ, float16 sin": (
+        replace(good(), sin_cache=np.ones((10, 4), np.float16)),
+        "same dtype",
+    ),
     "float64 caches for float32": (
         replace(good(), cos_cache=np.ones((10, 4)), sin_cache=np.ones((10, 4))),
         "float64",
     ),
     "float16 caches for bfloat16": (good(dtype=BFLOAT16, cache_dtype=np.float16), "float16"),
-    "float position ids": (replace(good(), position_ids=np.zeros((B, S))), "float64"),
+    "float position ids": (
+        replace(good(), position_ids=np.zeros((B, S))),
+        "position_ids must be an integer.*float64",
+    ),
     "list position ids": (replace(good(), position_ids=[[0] * S] * B), "list"),
 }
 
 
 @pytest.mark.parametrize("case", TYPE_ERRORS, ids=str)
-def test_type_errors(case):
+def test_type_errors(device, case):
     args, fragment = TYPE_ERRORS[case]
     with pytest.raises(TypeError, match=fragment):
-        call(args)
+        call(device, args)
 
 
-def test_out_of_wrong_dtype_is_type_error():
-    with pytest.raises(TypeError, match="out must have the input's dtype float32, got float64"):
-        call(good(), out=np.zeros((B, H, S, D)))
+@pytest.mark.parametrize("out_dtype", [np.float64, np.float16], ids=str)
+def test_out_of_wrong_dtype_is_type_error(device, out_dtype):
+    name = np.dtype(out_dtype).name
+    with pytest.raises(TypeError, match=f"out must have the input's dtype float32, got {name}"):
+        call(device, good(), out=np.zeros((B, H, S, D), out_dtype))
 
 
-def test_out_of_wrong_kind_is_type_error():
+def test_out_of_wrong_kind_is_type_error(device):
+    moved = {name: device.on(value) for name, value in good().items()}
     with pytest.raises(TypeError, match=r"out is a builtins\.list"):
-        numba_rope.rotary_embedding(**good(), out=[])
+        numba_rope.rotary_embedding(**moved, out=[])
 
 
 @pytest.mark.parametrize("value", [1.5, "2", True, None])
-def test_rotary_dim_of_wrong_type(value):
+def test_rotary_dim_of_wrong_type(device, value):
     with pytest.raises(TypeError, match="rotary_embedding_dim must be an integer"):
-        call(good(), rotary_embedding_dim=value)
+        call(device, good(), rotary_embedding_dim=value)
 
 
-def test_interleaved_of_wrong_type():
+def test_interleaved_of_wrong_type(device):
     with pytest.raises(TypeError, match="interleaved must be True or False, got 1"):
-        call(good(), interleaved=1)
+        call(device, good(), interleaved=1)
 
 
 VALUE_ERRORS = {
@@ -152,23 +166,28 @@ VALUE_ERRORS = {
 
 
 @pytest.mark.parametrize("case", VALUE_ERRORS, ids=str)
-def test_value_errors(case):
+def test_value_errors(device, case):
     args, kwargs, fragment = VALUE_ERRORS[case]
     out = np.full(args["input"].shape, 7.0, np.float32) if args["input"].ndim == 4 else None
     with pytest.raises(ValueError, match=fragment):
-        call(args, out=out, **kwargs)
+        call(device, args, out=out, **kwargs)
+    # With an out of the usual shape, even one that does not fit, the same error first.
+    with pytest.raises(ValueError, match=fragment):
+        call(device, args, **kwargs)
 
 
-def test_out_of_wrong_shape_is_value_error():
+@pytest.mark.parametrize("head", [D + 2, D - 2])
+def test_out_of_wrong_shape_is_value_error(device, head):
     with pytest.raises(ValueError, match=r"out must have the input's shape \(2, 3, 4, 8\)"):
-        call(good(), out=np.zeros((B, H, S, D + 2), np.float32))
+        call(device, good(), out=np.zeros((B, H, S, head), np.float32))
 
 
 def test_read_only_out_is_value_error():
     out = np.zeros((B, H, S, D), np.float32)
     out.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
-        call(good(), out=out)
+        numba_rope.rotary_embedding(**good(), out=out)
+    assert not out.any()  # nothing written
 
 
 @pytest.mark.parametrize(
@@ -179,42 +198,54 @@ def test_read_only_out_is_value_error():
         (2**40, [1, 0], np.int64),
         (-(2**31), [0, 0], np.int32),
         (10, [1, 3], np.int32),
+        (10, [0, 3], np.int32),
         (200, [1, 1], np.uint8),
+        (2**64 - 1, [1, 1], np.uint64),  # reported exactly, not as -1
     ],
 )
-def test_out_of_range_position_ids(bad_value, where, id_dtype):
+def test_out_of_range_position_ids(device, bad_value, where, id_dtype):
     args = good()
     ids = np.zeros((B, S), id_dtype)
     ids[tuple(where)] = bad_value
-    with pytest.raises(
-        IndexError, match=rf"position_ids\[{where[0]}, {where[1]}\] = {bad_value} .* \[0, 9\]"
-    ):
-        call(replace(args, position_ids=ids))
+    message = rf"position_ids\[{where[0]}, {where[1]}\] = {bad_value} .* \[0, 9\]"
+    with pytest.raises(IndexError, match=message):
+        call(device, replace(args, position_ids=ids))
+    # In place: the input is left as it was.
+    on, off = device
+    x = on(args["input"])
+    with pytest.raises(IndexError, match=message):
+        numba_rope.rotary_embedding(x, on(args["cos_cache"]), on(args["sin_cache"]), on(ids), out=x)
+    np.testing.assert_array_equal(off(x), args["input"])
 
 
-def test_huge_unsigned_position_id_is_reported_exactly():
-    ids = np.zeros((B, S), np.uint64)
-    ids[1, 1] = 2**64 - 1
-    with pytest.raises(IndexError, match=str(2**64 - 1)):
-        call(replace(good(), position_ids=ids))
+def test_first_bad_position_is_the_first_in_row_major_order(rng, device):
+    on, _ = device
+    x, cos, sin, ids = make_case(rng, (3, 1, 5, 4), np.float32, n_positions=6)
+    ids[2, 0] = 50
+    ids[1, 3] = -7
+    ids[1, 4] = 99
+    with pytest.raises(IndexError, match=r"position_ids\[1, 3\] = -7"):
+        numba_rope.rotary_embedding(on(x), on(cos), on(sin), on(ids))
 
 
-def test_in_place_input_is_untouched_on_error():
-    args = good()
+def test_in_place_input_is_untouched_on_error(device):
+    on, off = device
+    args = {name: on(value) for name, value in good().items()}
     x = args["input"]
-    ids = np.full((B, S), 99, np.int64)
-    before = x.copy()
+    ids = on(np.full((B, S), 99, np.int64))
+    before = off(x).copy()
     with pytest.raises(IndexError):
         numba_rope.rotary_embedding(**replace(args, position_ids=ids), out=x)
-    np.testing.assert_array_equal(x, before)
+    np.testing.assert_array_equal(off(x), before)
 
 
-def test_bad_ids_are_refused_even_when_there_is_nothing_to_rotate():
-    x = np.zeros((B, 0, S, D), np.float32)  # no heads
-    cache = np.ones((10, D // 2), np.float32)
+def test_bad_ids_are_refused_even_when_there_is_nothing_to_rotate(device):
+    on, _ = device
+    x = on(np.zeros((B, 0, S, D), np.float32))  # no heads
+    cache = on(np.ones((10, D // 2), np.float32))
     ids = np.zeros((B, S), np.int64)
     ids[1, 2] = 10
     with pytest.raises(IndexError, match=r"position_ids\[1, 2\] = 10"):
-        numba_rope.rotary_embedding(x, cache, cache, ids)
+        numba_rope.rotary_embedding(x, cache, cache, on(ids))
     with pytest.raises(IndexError, match=r"position_offset\[0\] = 8"):
-        numba_rope.rotary_embedding(x, cache, cache, position_offset=np.array([8, 0]))
+        numba_rope.rotary_embedding(x, cache, cache, position_offset=on(np.array([8, 0])))
