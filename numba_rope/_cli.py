@@ -123,7 +123,7 @@ def _positive(text: str) -> int:
 
 
 def add_bench_parser(commands) -> None:
-    from numba_rope import _bench
+    from numba_rope import bench as benchmarks
 
     parser = commands.add_parser(
         "bench",
@@ -134,21 +134,21 @@ def add_bench_parser(commands) -> None:
             "onnxruntime, torch eager). Workloads:"
         )
         + "\n\n"
-        + _bench.workload_table(),
+        + benchmarks.workload_table(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--device", choices=_bench.DEVICES, default="cpu")
+    parser.add_argument("--device", choices=benchmarks.DEVICES, default="cpu")
     parser.add_argument(
         "--dtypes",
-        type=_names(_bench.DTYPES),
-        default=list(_bench.DTYPES),
-        help=f"comma-separated, default {','.join(_bench.DTYPES)}",
+        type=_names(benchmarks.DTYPES),
+        default=list(benchmarks.DTYPES),
+        help=f"comma-separated, default {','.join(benchmarks.DTYPES)}",
     )
     parser.add_argument(
         "--workloads",
-        type=_names(tuple(_bench.WORKLOADS)),
-        default=list(_bench.WORKLOADS),
-        help=f"comma-separated, default {','.join(_bench.WORKLOADS)}",
+        type=_names(tuple(benchmarks.WORKLOADS)),
+        default=list(benchmarks.WORKLOADS),
+        help=f"comma-separated, default {','.join(benchmarks.WORKLOADS)}",
     )
     parser.add_argument(
         "--threads", type=_positive, default=0, help="numba (and peer) threads; default: numba's"
@@ -178,11 +178,11 @@ def add_bench_parser(commands) -> None:
 
 def bench(args: argparse.Namespace) -> int:
     """Run ``python -m numba_rope bench``: 0 if every check passed, 1 if one failed."""
-    from numba_rope import _bench
+    from numba_rope import bench as benchmarks
 
     if args.plot:
         try:
-            _bench.require_matplotlib()
+            benchmarks.require_matplotlib()
         except ImportError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
@@ -190,20 +190,20 @@ def bench(args: argparse.Namespace) -> int:
     chosen["threads"] = args.threads
     chosen["single_calls"] = args.single_calls
     chosen["busy"] = args.busy
-    settings = _bench.Settings.quick(**chosen) if args.quick else _bench.Settings(**chosen)
+    settings = benchmarks.Settings.quick(**chosen) if args.quick else benchmarks.Settings(**chosen)
     if args.repeats is not None:
         settings.repeats = args.repeats
     try:
-        report = _bench.run(settings)
-    except _bench.Unavailable as why:
+        report = benchmarks.run(settings)
+    except benchmarks.Unavailable as why:
         print(f"error: cannot benchmark on {args.device}: {why}", file=sys.stderr)
         return 2
-    print(_bench.format_table(report))
+    print(benchmarks.format_table(report))
     if args.json:
-        _bench.write_json(report, args.json)
+        benchmarks.write_json(report, args.json)
         print(f"wrote {args.json}")
     if args.plot:
-        _bench.plot(report, args.plot)
+        benchmarks.plot(report, args.plot)
         print(f"wrote {args.plot}")
     for failure in report.failed:
         print(
