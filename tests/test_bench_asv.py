@@ -21,9 +21,11 @@ def test_importing_the_package_or_the_gpu_check_imports_no_gpu_library():
     # numba_rope does not import its benchmarks; they, and the GPU check script, import
     # numba.cuda, CuPy and torch only when a GPU run asks for them.
     code = (
-        "import sys, numba_rope\n"
+        "import sys, runpy, numba_rope\n"
         "assert 'numba_rope.bench' not in sys.modules\n"
         "import numba_rope.bench\n"
+        f"runpy.run_path({str(ROOT / 'tools' / 'gpu_check.py')!r}, run_name='gpu_check')\n"
+        "assert 'numba_rope.bench.gpu_check' in sys.modules\n"
         "loaded = {'numba.cuda', 'cupy', 'torch', 'onnx', 'onnxruntime', 'matplotlib'}\n"
         "assert not loaded & set(sys.modules), sorted(loaded & set(sys.modules))\n"
     )
