@@ -41,6 +41,8 @@ def demo(repeats: int = 2000, out=sys.stdout) -> bool:
     """Run the seed example in float32, float16 and bfloat16; return True if all pass."""
     import ml_dtypes
 
+    from numba_rope.bench import epsilon
+
     rng = np.random.default_rng(0)
     print(
         f"numba_rope {numba_rope.__version__}: TensorRT/ONNX RotaryEmbedding seed example on the CPU",
@@ -61,11 +63,7 @@ def demo(repeats: int = 2000, out=sys.stdout) -> bool:
         error = np.abs(got.astype(np.float64) - want.astype(np.float64))
         # The formula's rounding error scales with its terms |x1*cos| + |x2*sin|, not with
         # the (possibly cancelling) result: measure it in units of eps * that scale.
-        eps = (
-            float(np.finfo(np.float32).eps)
-            if dtype == np.float32
-            else 2.0 ** -(10 if dtype == np.float16 else 7)
-        )
+        eps = epsilon(dtype)
         scale = float(np.abs(x).astype(np.float64).max()) * float(
             (np.abs(cos).astype(np.float64) + np.abs(sin).astype(np.float64)).max()
         )
