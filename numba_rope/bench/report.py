@@ -1,4 +1,5 @@
-"""The bench's results and how they are shown: the text table, the JSON file, the plot.
+"""The bench's results and how they are shown: the text table, the JSON file, the plot
+(and the GPU check's markdown tables).
 
 matplotlib is imported only to plot.
 """
