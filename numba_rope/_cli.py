@@ -41,6 +41,8 @@ def demo(repeats: int = 2000, out=sys.stdout) -> bool:
     """Run the seed example in float32, float16 and bfloat16; return True if all pass."""
     import ml_dtypes
 
+    from numba_rope.bench import epsilon
+
     rng = np.random.default_rng(0)
     print(
         f"numba_rope {numba_rope.__version__}: TensorRT/ONNX RotaryEmbedding seed example on the CPU",
@@ -61,11 +63,7 @@ def demo(repeats: int = 2000, out=sys.stdout) -> bool:
         error = np.abs(got.astype(np.float64) - want.astype(np.float64))
         # The formula's rounding error scales with its terms |x1*cos| + |x2*sin|, not with
         # the (possibly cancelling) result: measure it in units of eps * that scale.
-        eps = (
-            float(np.finfo(np.float32).eps)
-            if dtype == np.float32
-            else 2.0 ** -(10 if dtype == np.float16 else 7)
-        )
+        eps = epsilon(dtype)
         scale = float(np.abs(x).astype(np.float64).max()) * float(
             (np.abs(cos).astype(np.float64) + np.abs(sin).astype(np.float64)).max()
         )
@@ -123,7 +121,7 @@ def _positive(text: str) -> int:
 
 
 def add_bench_parser(commands) -> None:
-    from numba_rope import _bench
+    from numba_rope import bench as benchmarks
 
     parser = commands.add_parser(
         "bench",
@@ -134,21 +132,21 @@ def add_bench_parser(commands) -> None:
             "onnxruntime, torch eager). Workloads:"
         )
         + "\n\n"
-        + _bench.workload_table(),
+        + benchmarks.workload_table(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--device", choices=_bench.DEVICES, default="cpu")
+    parser.add_argument("--device", choices=benchmarks.DEVICES, default="cpu")
     parser.add_argument(
         "--dtypes",
-        type=_names(_bench.DTYPES),
-        default=list(_bench.DTYPES),
-        help=f"comma-separated, default {','.join(_bench.DTYPES)}",
+        type=_names(benchmarks.DTYPES),
+        default=list(benchmarks.DTYPES),
+        help=f"comma-separated, default {','.join(benchmarks.DTYPES)}",
     )
     parser.add_argument(
         "--workloads",
-        type=_names(tuple(_bench.WORKLOADS)),
-        default=list(_bench.WORKLOADS),
-        help=f"comma-separated, default {','.join(_bench.WORKLOADS)}",
+        type=_names(tuple(benchmarks.WORKLOADS)),
+        default=list(benchmarks.WORKLOADS),
+        help=f"comma-separated, default {','.join(benchmarks.WORKLOADS)}",
     )
     parser.add_argument(
         "--threads", type=_positive, default=0, help="numba (and peer) threads; default: numba's"
@@ -178,11 +176,11 @@ def add_bench_parser(commands) -> None:
 
 def bench(args: argparse.Namespace) -> int:
     """Run ``python -m numba_rope bench``: 0 if every check passed, 1 if one failed."""
-    from numba_rope import _bench
+    from numba_rope import bench as benchmarks
 
     if args.plot:
         try:
-            _bench.require_matplotlib()
+            benchmarks.require_matplotlib()
         except ImportError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
@@ -190,20 +188,20 @@ def bench(args: argparse.Namespace) -> int:
     chosen["threads"] = args.threads
     chosen["single_calls"] = args.single_calls
     chosen["busy"] = args.busy
-    settings = _bench.Settings.quick(**chosen) if args.quick else _bench.Settings(**chosen)
+    settings = benchmarks.Settings.quick(**chosen) if args.quick else benchmarks.Settings(**chosen)
     if args.repeats is not None:
         settings.repeats = args.repeats
     try:
-        report = _bench.run(settings)
-    except _bench.Unavailable as why:
+        report = benchmarks.run(settings)
+    except benchmarks.Unavailable as why:
         print(f"error: cannot benchmark on {args.device}: {why}", file=sys.stderr)
         return 2
-    print(_bench.format_table(report))
+    print(benchmarks.format_table(report))
     if args.json:
-        _bench.write_json(report, args.json)
+        benchmarks.write_json(report, args.json)
         print(f"wrote {args.json}")
     if args.plot:
-        _bench.plot(report, args.plot)
+        benchmarks.plot(report, args.plot)
         print(f"wrote {args.plot}")
     for failure in report.failed:
         print(

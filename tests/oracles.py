@@ -8,12 +8,18 @@
   indexing code with the reference.
 * :func:`tensorrt_reference`: the specification's own NumPy reference, verbatim in
   behaviour (complex arithmetic), for finite inputs.
+
+Test infrastructure that is not an oracle comes from :mod:`numba_rope.bench`, shared with
+the benchmarks and the GPU check: :func:`make_case` (its case maker) and :func:`ulp_of`
+(its epsilon table).
 """
 
 from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+
+from numba_rope.bench import epsilon, make_arrays
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16, np.dtype(np.float64))
@@ -108,27 +114,10 @@ def assert_bitwise_equal(actual: np.ndarray, expected: np.ndarray) -> None:
         )
 
 
-def ulp_of(dtype: np.dtype) -> float:
-    """Relative size of one unit in the last place of a format (machine epsilon)."""
-    return {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}[
-        np.dtype(dtype).name
-    ]
+#: Relative size of one unit in the last place of a format (machine epsilon), by dtype.
+ulp_of = epsilon
 
-
-def make_case(
-    rng, shape, dtype, *, position_ids=True, rotary_dim=0, n_positions=None, cache_dtype=None
-):
-    """Random input, caches of real angles and (optionally) position ids."""
-    batch, _, seq_len, head_size = shape
-    rotary_dim = rotary_dim or head_size
-    half = rotary_dim // 2
-    cache_dtype = np.dtype(cache_dtype or dtype)
-    x = rng.standard_normal(shape).astype(dtype)
-    if position_ids:
-        n_positions = n_positions or seq_len + 7
-        ids = rng.integers(0, n_positions, size=(batch, seq_len), dtype=np.int64)
-        angles = rng.uniform(-np.pi, np.pi, size=(n_positions, half))
-    else:
-        ids = None
-        angles = rng.uniform(-np.pi, np.pi, size=(batch, seq_len, half))
-    return x, np.cos(angles).astype(cache_dtype), np.sin(angles).astype(cache_dtype), ids
+#: Random input, caches of real angles and (optionally) position ids:
+#: ``make_case(rng, shape, dtype, *, position_ids=True, rotary_dim=0, n_positions=None,
+#: cache_dtype=None)``.
+make_case = make_arrays

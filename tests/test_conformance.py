@@ -9,42 +9,10 @@ import pytest
 from oracles import DTYPES, make_case, ulp_of
 
 import numba_rope
+from numba_rope.bench import TOLERANCE_EPS, onnx_rotary_model
 
 onnx = pytest.importorskip("onnx")
-from onnx import TensorProto, helper  # noqa: E402
 from onnx.reference import ReferenceEvaluator  # noqa: E402
-
-ELEMENT_TYPES = {
-    "float32": TensorProto.FLOAT,
-    "float16": TensorProto.FLOAT16,
-    "bfloat16": TensorProto.BFLOAT16,
-    "float64": TensorProto.DOUBLE,
-}
-
-
-def rotary_model(dtype, with_ids, interleaved, rotary_dim, num_heads):
-    element = ELEMENT_TYPES[np.dtype(dtype).name]
-    inputs = [
-        helper.make_tensor_value_info("input", element, None),
-        helper.make_tensor_value_info("cos_cache", element, None),
-        helper.make_tensor_value_info("sin_cache", element, None),
-    ]
-    names = ["input", "cos_cache", "sin_cache"]
-    if with_ids:
-        inputs.append(helper.make_tensor_value_info("position_ids", TensorProto.INT64, None))
-        names.append("position_ids")
-    node = helper.make_node(
-        "RotaryEmbedding",
-        names,
-        ["output"],
-        interleaved=int(interleaved),
-        rotary_embedding_dim=rotary_dim,
-        num_heads=num_heads,
-    )
-    graph = helper.make_graph(
-        [node], "rope", inputs, [helper.make_tensor_value_info("output", element, None)]
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
 
 
 def feeds(x, cos, sin, ids):
@@ -63,7 +31,7 @@ VARIANTS = [
 
 
 def close_enough(got, want, dtype):
-    tol = 4 * ulp_of(dtype) * (np.abs(want.astype(np.float64)).max() + 1)
+    tol = TOLERANCE_EPS * ulp_of(dtype) * (np.abs(want.astype(np.float64)).max() + 1)
     np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=0, atol=tol)
 
 
@@ -74,7 +42,7 @@ def test_matches_onnx_reference_evaluator(rng, dtype, interleaved, with_ids, rot
         rng, (2, 3, 5, 64), dtype, position_ids=with_ids, rotary_dim=rotary_dim
     )
     # ONNX 4-D input is [batch, num_heads, seq_len, head_size] as ours.
-    evaluator = ReferenceEvaluator(rotary_model(dtype, with_ids, interleaved, rotary_dim, 0))
+    evaluator = ReferenceEvaluator(onnx_rotary_model(dtype, with_ids, interleaved, rotary_dim, 0))
     (want,) = evaluator.run(None, feeds(x, cos, sin, ids))
     got = numba_rope.rotary_embedding(
         x, cos, sin, ids, interleaved=interleaved, rotary_embedding_dim=rotary_dim
@@ -94,7 +62,7 @@ def test_matches_onnxruntime(rng, dtype, interleaved, with_ids, rotary_dim):
     x, cos, sin, ids = make_case(
         rng, (2, 3, 5, 64), dtype, position_ids=with_ids, rotary_dim=rotary_dim, n_positions=16
     )
-    model = rotary_model(dtype, with_ids, interleaved, rotary_dim, 0)
+    model = onnx_rotary_model(dtype, with_ids, interleaved, rotary_dim, 0)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     (want,) = session.run(None, feeds(x, cos, sin, ids))
     got = numba_rope.rotary_embedding(

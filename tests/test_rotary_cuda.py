@@ -243,7 +243,7 @@ def test_gpu_check_script_runs_quick_in_this_mode(tmp_path):
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     result = subprocess.run(
-        [sys.executable, str(ROOT / "asv_bench" / "gpu_check.py"), "--quick", "--out", str(table)],
+        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--quick", "--out", str(table)],
         capture_output=True,
         text=True,
         env=env,

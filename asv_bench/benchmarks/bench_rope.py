@@ -1,9 +1,9 @@
 """asv benchmarks of ``numba_rope.rotary_embedding``.
 
-The workloads, their data and the copy floor come from :mod:`numba_rope._bench` (the
-module behind ``python -m numba_rope bench``), imported from the installed package, so
+The workloads, their data and the copy floor come from :mod:`numba_rope.bench` (the
+package behind ``python -m numba_rope bench``), imported from the installed package, so
 the suite and the command always measure the same thing. Parameters: device (cpu,
-cuda), dtype (float32, float16, bfloat16) and workload (see ``_bench.WORKLOADS``).
+cuda), dtype (float32, float16, bfloat16) and workload (see ``bench.WORKLOADS``).
 
 CUDA combinations are skipped (``NotImplementedError`` in ``setup``, shown as n/a)
 where no GPU is present or where the installed numba_rope does not accept device
@@ -13,20 +13,20 @@ arrays; ``numba.cuda`` is imported only for them. Every timed GPU call synchroni
 import numpy as np
 
 import numba_rope
-from numba_rope import _bench
+from numba_rope import bench
 
 
 class _Rope:
-    params = (list(_bench.DEVICES), list(_bench.DTYPES), list(_bench.WORKLOADS))
+    params = (list(bench.DEVICES), list(bench.DTYPES), list(bench.WORKLOADS))
     param_names = ("device", "dtype", "workload")
     timeout = 300
 
     def setup(self, device, dtype, workload):
         try:
-            self.target = _bench.target(device)  # before the data: skipping costs nothing
-        except _bench.Unavailable as why:
+            self.target = bench.target(device)  # before the data: skipping costs nothing
+        except bench.Unavailable as why:
             raise NotImplementedError(str(why)) from None
-        self.case = case = _bench.make_case(workload, dtype)
+        self.case = case = bench.make_case(workload, dtype)
         put = self.target.put
         try:
             self.arguments = (
@@ -35,7 +35,7 @@ class _Rope:
                 put(case.sin_cache),
                 put(case.position_ids),
             )
-        except _bench.Unavailable as why:
+        except bench.Unavailable as why:
             raise NotImplementedError(str(why)) from None
         self.options = case.options
         self.out = self.target.empty_like(self.arguments[0])
@@ -124,7 +124,7 @@ class Bandwidth(_Rope):
     """
 
     def track_bandwidth_fraction(self, device, dtype, workload):
-        fraction = _bench.bandwidth_fraction(self.case, self.target, self.rope_out, repeats=15)
+        fraction = bench.bandwidth_fraction(self.case, self.target, self.rope_out, repeats=15)
         return round(fraction, 4)
 
     track_bandwidth_fraction.unit = "copy time / RoPE time"

@@ -1,0 +1,143 @@
+"""Array adapters (host <-> Numba device arrays, CuPy arrays, torch tensors) and GPU timing.
+
+Nothing is imported from ``numba.cuda``, CuPy or torch until an adapter is made or a
+function here runs, so that the module imports on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numba.core import config as numba_config
+
+from numba_rope.bench.workloads import as_dtype
+
+BFLOAT16 = as_dtype("bfloat16")
+
+
+def installed(name: str) -> bool:
+    """Whether a module can be imported, without importing it."""
+    return importlib.util.find_spec(name) is not None
+
+
+def simulator() -> bool:
+    """Whether numba runs CUDA in its simulator (``NUMBA_ENABLE_CUDASIM=1``): on the CPU,
+    where times mean nothing."""
+    return bool(getattr(numba_config, "ENABLE_CUDASIM", False))
+
+
+def cuda() -> Any:
+    """``numba.cuda``, imported on first use."""
+    from numba import cuda as numba_cuda
+
+    return numba_cuda
+
+
+class NumbaArrays:
+    """numba-cuda device arrays (in the simulator too)."""
+
+    name = "numba"
+
+    def to_device(self, a):
+        return None if a is None else cuda().to_device(a)
+
+    def to_host(self, d) -> np.ndarray:
+        return d.copy_to_host()
+
+
+class CupyArrays:
+    """CuPy has no bfloat16: bfloat16 goes through Numba views of uint16 CuPy arrays
+    (the recipe in the README)."""
+
+    name = "cupy"
+
+    def __init__(self):
+        import cupy
+
+        self.cupy = cupy
+
+    def to_device(self, a):
+        if a is None:
+            return None
+        if a.dtype == BFLOAT16:
+            return cuda().as_cuda_array(self.cupy.asarray(a.view(np.uint16))).view(BFLOAT16)
+        return self.cupy.asarray(a)
+
+    def to_host(self, d) -> np.ndarray:
+        if isinstance(d, self.cupy.ndarray):
+            return self.cupy.asnumpy(d)
+        return d.copy_to_host()
+
+
+class TorchArrays:
+    """torch tensors on ``device`` ("cuda" or "cpu"); bfloat16 travels as int16 bits,
+    as NumPy has no bfloat16 torch understands."""
+
+    name = "torch"
+
+    def __init__(self, device: str = "cuda"):
+        import torch
+
+        self.torch = torch
+        self.device = device
+
+    def to_device(self, a):
+        if a is None:
+            return None
+        a = np.ascontiguousarray(a)
+        if a.dtype == BFLOAT16:
+            return self.torch.from_numpy(a.view(np.int16)).view(self.torch.bfloat16).to(self.device)
+        return self.torch.from_numpy(a).to(self.device)
+
+    def to_host(self, t) -> np.ndarray:
+        t = t.detach().to("cpu").contiguous()
+        if t.dtype == self.torch.bfloat16:
+            return t.view(self.torch.int16).numpy().view(BFLOAT16)
+        return t.numpy()
+
+
+def torch_on_gpu() -> Any:
+    """The torch module if it is installed and sees a GPU (never in the simulator), else None."""
+    if simulator() or not installed("torch"):
+        return None
+    import torch
+
+    return torch if torch.cuda.is_available() else None
+
+
+def libraries() -> list:
+    """The adapters usable here: Numba always; CuPy and torch on a real GPU when installed."""
+    found: list = [NumbaArrays()]
+    if not simulator() and installed("cupy"):
+        found.append(CupyArrays())
+    if torch_on_gpu() is not None:
+        found.append(TorchArrays())
+    return found
+
+
+def gpu_milliseconds(call: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+    """Median over ``repeats`` runs, each timed with a pair of CUDA events on the default
+    stream (wall clock in the simulator, where events do not time)."""
+    numba_cuda = cuda()
+    for _ in range(warmup):
+        call()
+    numba_cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        if simulator():
+            start_s = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - start_s) * 1e3)
+            continue
+        start, end = numba_cuda.event(), numba_cuda.event()
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

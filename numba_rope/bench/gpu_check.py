@@ -1,0 +1,328 @@
+"""The GPU check behind ``tools/gpu_check.py``: numba_rope on an NVIDIA GPU against the
+CPU, its bandwidth next to a copy and torch eager, and its host cost per call.
+
+:func:`run_check` returns the markdown report. Under the CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1``) it runs too, on tiny shapes with ``quick``: timings are then
+wall-clock and meaningless. ``numba.cuda``, CuPy and torch are imported only when it runs.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import numba_rope
+from numba_rope.bench.checks import compare
+from numba_rope.bench.gpu import (
+    TorchArrays,
+    cuda,
+    gpu_milliseconds,
+    installed,
+    libraries,
+    simulator,
+    torch_on_gpu,
+)
+from numba_rope.bench.peers import torch_rope
+from numba_rope.bench.report import markdown_table
+from numba_rope.bench.workloads import as_dtype, make_arrays
+
+#: The dtypes checked against the CPU (the bandwidth runs the first three).
+CHECK_DTYPES = ("float32", "float16", "bfloat16", "float64")
+TARGET_COPY_FRACTION = 0.85
+TARGET_HOST_US = 20.0
+
+# -- 1. correctness --------------------------------------------------------------------------
+
+
+def _row(check: str, lib: Any, dtype_name: str, what: str, worst: float, same: float) -> list:
+    ok = worst <= 1.0
+    return [check, lib.name, dtype_name, what, f"{worst:.3f}", f"{100 * same:.2f}%", _ok(ok)]
+
+
+def _ok(ok: bool) -> str:
+    return "ok" if ok else "FAILED"
+
+
+def check_correctness(quick: bool, rng) -> tuple[list[list[str]], bool]:
+    """Every dtype x interleaved x rotary_dim x position-id variant, the features and the
+    errors, through every array library: GPU against CPU, within one eps at scale."""
+    shape = (1, 2, 3, 8) if quick else (2, 8, 33, 128)
+    head_size = shape[3]
+    rows, all_ok = [], True
+    for lib in libraries():
+        for dtype_name in CHECK_DTYPES:
+            worst, same, n = 0.0, 1.0, 0
+            for interleaved in (False, True):
+                for rotary_dim in (0, head_size // 2):
+                    for with_ids in (True, False):
+                        x, cos, sin, ids = make_arrays(
+                            rng, shape, dtype_name, rotary_dim=rotary_dim, position_ids=with_ids
+                        )
+                        kwargs: dict[str, Any] = {
+                            "interleaved": interleaved,
+                            "rotary_embedding_dim": rotary_dim,
+                        }
+                        want = numba_rope.rotary_embedding(x, cos, sin, ids, **kwargs)
+                        got = numba_rope.rotary_embedding(
+                            *(lib.to_device(a) for a in (x, cos, sin, ids)), **kwargs
+                        )
+                        error, equal = compare(lib.to_host(got), want, x, cos, sin, dtype_name)
+                        worst, same, n = max(worst, error), min(same, equal), n + 1
+            all_ok &= worst <= 1.0
+            rows.append(
+                _row("correctness", lib, dtype_name, f"{n} variants, shape {shape}", worst, same)
+            )
+        for dtype_name in ("float32", "bfloat16"):
+            worst, same, n = check_features(lib, rng, quick, as_dtype(dtype_name), dtype_name)
+            all_ok &= worst <= 1.0
+            what = f"{n} calls: bshd, 3-D, offsets, inverse, fused q+k"
+            rows.append(_row("features", lib, dtype_name, what, worst, same))
+        ok, detail = check_errors(lib, rng)
+        all_ok &= ok
+        rows.append(["errors", lib.name, "float32", detail, "", "", _ok(ok)])
+    return rows, all_ok
+
+
+def check_features(lib, rng, quick: bool, dtype, dtype_name: str) -> tuple[float, float, int]:
+    """Layouts, 3-D input, position offsets, the inverse and fused q+k: GPU against CPU."""
+    batch, heads, seq_len, head = (2, 3, 4, 8) if quick else (2, 8, 17, 128)
+    x, cos, sin, _ = make_arrays(rng, (batch, seq_len, heads, head), dtype, n_positions=64)
+    k = rng.standard_normal((batch, seq_len, 2, head), dtype=np.float32).astype(dtype)
+    offsets = np.array([3, 40])
+    calls: list[tuple[tuple, dict[str, Any]]] = [
+        ((x, cos, sin), {"layout": "bshd", "position_offset": 5}),
+        ((x, cos, sin), {"layout": "bshd", "position_offset": offsets, "inverse": True}),
+        (
+            (x.reshape(batch, seq_len, heads * head), cos, sin),
+            {"num_heads": heads, "position_offset": 7},
+        ),
+    ]
+    worst, same, n = 0.0, 1.0, 0
+    for args, kwargs in calls:
+        want = numba_rope.rotary_embedding(*args, **kwargs)
+        device_kwargs = {
+            key: lib.to_device(value) if isinstance(value, np.ndarray) else value
+            for key, value in kwargs.items()
+        }
+        got = numba_rope.rotary_embedding(*(lib.to_device(a) for a in args), **device_kwargs)
+        error, equal = compare(lib.to_host(got), want, x, cos, sin, dtype_name)
+        worst, same, n = max(worst, error), min(same, equal), n + 1
+    want_q, want_k = numba_rope.rotary_embedding_qk(
+        x, k, cos, sin, position_offset=2, layout="bshd"
+    )
+    got_q, got_k = numba_rope.rotary_embedding_qk(
+        lib.to_device(x),
+        lib.to_device(k),
+        lib.to_device(cos),
+        lib.to_device(sin),
+        position_offset=2,
+        layout="bshd",
+    )
+    for got, want in ((got_q, want_q), (got_k, want_k)):
+        error, equal = compare(lib.to_host(got), want, x, cos, sin, dtype_name)
+        worst, same, n = max(worst, error), min(same, equal), n + 1
+    return worst, same, n
+
+
+def check_errors(lib, rng) -> tuple[bool, str]:
+    """IndexError before writing, NaN rows when skipped, TypeError for a host/GPU mix."""
+    x, cos, sin, ids = make_arrays(rng, (2, 2, 3, 8), np.float32, n_positions=4)
+    ids[1, 2] = 4
+    dx, dcos, dsin, dids = (lib.to_device(a) for a in (x, cos, sin, ids))
+    failures = []
+    try:
+        numba_rope.rotary_embedding(dx, dcos, dsin, dids, out=dx)
+        failures.append("no IndexError")
+    except IndexError as error:
+        if "position_ids[1, 2] = 4" not in str(error):
+            failures.append(f"message {error}")
+    if not np.array_equal(lib.to_host(dx), x):
+        failures.append("out written before the IndexError")
+    got = lib.to_host(numba_rope.rotary_embedding(dx, dcos, dsin, dids, check_position_ids=False))
+    if not (np.isnan(got[1, :, 2]).all() and not np.isnan(got[0]).any()):
+        failures.append("bad rows not NaN")
+    try:
+        numba_rope.rotary_embedding(dx, cos, dsin, dids)
+        failures.append("no TypeError for a host cache")
+    except TypeError as error:
+        if "cos_cache is a NumPy array on the host" not in str(error):
+            failures.append(f"message {error}")
+    detail = "IndexError, NaN rows (check skipped), host/GPU mix"
+    return not failures, detail if not failures else "; ".join(failures)
+
+
+# -- 2. bandwidth ------------------------------------------------------------------------------
+
+
+def bandwidth(quick: bool, rng, repeats: int) -> list[list[str]]:
+    """One row per (case, dtype): numba_rope, unchecked and checked, next to a
+    device-to-device copy of the input's bytes and torch eager."""
+    if quick:
+        cases = [("prefill", (1, 2, 4, 8), None), ("decode", (4, 2, 1, 8), 16)]
+        dtypes = ["float32", "bfloat16"]
+    else:
+        cases = [
+            ("prefill", (8, 32, 4096, 128), None),
+            ("prefill", (1, 32, 32768, 128), None),
+            ("decode", (256, 32, 1, 128), 4096),
+        ]
+        dtypes = ["float32", "float16", "bfloat16"]
+    torch = torch_on_gpu()
+    rows = []
+    for kind, shape, n_positions in cases:
+        for dtype_name in dtypes:
+            if kind == "prefill":  # positions 0..seq_len-1, caches of seq_len rows
+                arrays = make_arrays(
+                    rng, shape, dtype_name, position_ids="arange", n_positions=shape[2]
+                )
+            else:
+                arrays = make_arrays(rng, shape, dtype_name, n_positions=n_positions)
+            rows.append(_bandwidth_row(kind, shape, dtype_name, arrays, repeats, torch))
+            del arrays
+            gc.collect()
+    return rows
+
+
+def _bandwidth_row(kind, shape, dtype_name, arrays, repeats: int, torch) -> list[str]:
+    x, cos, _, ids = arrays
+    numba_cuda = cuda()
+    dx, dcos, dsin, dids = (numba_cuda.to_device(a) for a in arrays)
+    dout = numba_cuda.device_array_like(dx)
+    rows_read = len(np.unique(ids))
+    moved = 2 * x.nbytes + ids.nbytes + 2 * rows_read * cos.shape[1] * cos.itemsize
+
+    def rope():
+        numba_rope.rotary_embedding(dx, dcos, dsin, dids, out=dout, check_position_ids=False)
+
+    def rope_checked():
+        numba_rope.rotary_embedding(dx, dcos, dsin, dids, out=dout)
+
+    bits = np.dtype(f"u{x.itemsize}")  # a plain copy of the bytes, whatever the dtype
+    source, destination = dx.view(bits), dout.view(bits)
+
+    def copy():
+        destination.copy_to_device(source)
+
+    rope_ms = gpu_milliseconds(rope, repeats)
+    checked_ms = gpu_milliseconds(rope_checked, repeats)
+    copy_ms = gpu_milliseconds(copy, repeats)
+    rope_gbs, copy_gbs = moved / rope_ms / 1e6, 2 * x.nbytes / copy_ms / 1e6
+    torch_text, speedup = "n/a", "n/a"
+    if torch is not None:
+        tx, tcos, tsin, tids = (TorchArrays("cuda").to_device(a) for a in arrays)
+        torch_ms = gpu_milliseconds(
+            lambda: torch_rope(torch, tx, tcos, tsin, tids, False, shape[3]), repeats
+        )
+        torch_text, speedup = f"{torch_ms * 1e3:.1f}", f"{torch_ms / rope_ms:.2f}x"
+    fraction = rope_gbs / copy_gbs
+    meets = "" if kind == "decode" else ("yes" if fraction >= TARGET_COPY_FRACTION else "NO")
+    return [
+        kind,
+        str(shape),
+        dtype_name,
+        f"{rope_ms * 1e3:.1f}",
+        f"{checked_ms * 1e3:.1f}",
+        f"{rope_gbs:.0f}",
+        f"{copy_gbs:.0f}",
+        f"{100 * fraction:.0f}%",
+        meets,
+        torch_text,
+        speedup,
+    ]
+
+
+# -- 3. host cost ---------------------------------------------------------------------------------
+
+
+def _host_cost_calls(dx, dcos, dsin, dids, dcos3, dsin3, dout) -> dict[str, Callable[[], object]]:
+    rope = numba_rope.rotary_embedding
+    return {
+        "position ids, checked (1 sync)": lambda: rope(dx, dcos, dsin, dids, out=dout),
+        "position ids, unchecked": lambda: rope(
+            dx, dcos, dsin, dids, out=dout, check_position_ids=False
+        ),
+        "no position ids": lambda: rope(dx, dcos3, dsin3, out=dout),
+        "no position ids, new result": lambda: rope(dx, dcos3, dsin3),
+    }
+
+
+def host_cost(quick: bool, rng) -> list[list[str]]:
+    """Microseconds of Python per call on a tiny float32 input, per array library."""
+    calls = 3 if quick else 3000
+    shape = (1, 1, 4, 64)
+    numba_cuda = cuda()
+    rows = []
+    for lib in libraries():
+        x, cos, sin, ids = make_arrays(rng, shape, np.float32)
+        _, cos3, sin3, _ = make_arrays(rng, shape, np.float32, position_ids=False)
+        dx, dcos, dsin, dids, dcos3, dsin3 = (
+            lib.to_device(a) for a in (x, cos, sin, ids, cos3, sin3)
+        )
+        dout = lib.to_device(x)
+        variants = _host_cost_calls(dx, dcos, dsin, dids, dcos3, dsin3, dout)
+        for name, call in variants.items():
+            call()
+            numba_cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            elapsed_us = (time.perf_counter() - start) / calls * 1e6
+            numba_cuda.synchronize()
+            meets = "yes" if elapsed_us < TARGET_HOST_US else "NO"
+            rows.append([lib.name, name, f"{elapsed_us:.1f}", meets])
+    return rows
+
+
+# -- report -------------------------------------------------------------------------------------
+
+
+def describe_machine() -> str:
+    import numba
+
+    parts = [f"numba_rope {numba_rope.__version__}", f"numba {numba.__version__}"]
+    for name in ("numba_cuda", "cupy", "torch"):
+        if installed(name):
+            module = __import__(name)
+            parts.append(f"{name} {getattr(module, '__version__', '?')}")
+    if simulator():
+        device = "CUDA simulator (timings are meaningless)"
+    else:
+        device = cuda().get_current_device().name
+        device = device.decode() if isinstance(device, bytes) else str(device)
+    return f"Device: {device}. " + ", ".join(parts) + "."
+
+
+def run_check(quick: bool, repeats: int, seed: int = 2026) -> tuple[str, bool]:
+    """The markdown report of the three checks, and whether every correctness check passed."""
+    rng = np.random.default_rng(seed)
+    began = time.perf_counter()
+    correctness_rows, ok = check_correctness(quick, rng)
+    bandwidth_header = ["case", "shape", "dtype", "rope us", "rope us (checked)", "rope GB/s"]
+    bandwidth_header += ["copy GB/s", "of copy", f">= {TARGET_COPY_FRACTION:.0%}"]
+    bandwidth_header += ["torch eager us", "speedup vs torch"]
+    sections = [
+        describe_machine(),
+        "### Correctness against the CPU\n\n"
+        "Worst |GPU - CPU| over all variants, in units of eps(dtype) x max|x| x max(|cos|+|sin|); "
+        "1 is one unit in the last place at the scale of the data.\n\n"
+        + markdown_table(
+            ["check", "arrays", "dtype", "variants", "worst error", "bitwise equal", "result"],
+            correctness_rows,
+        ),
+        "### Bandwidth\n\n"
+        "Median of CUDA-event timings after warm-up. GB/s counts bytes read + written "
+        "(input, output, ids, cache rows used); the copy moves the input's bytes device to "
+        "device. 'checked' includes the position-id check and its read-back.\n\n"
+        + markdown_table(bandwidth_header, bandwidth(quick, rng, repeats)),
+        "### Host cost per call (tiny input (1, 1, 4, 64), float32)\n\n"
+        + markdown_table(
+            ["arrays", "call", "us per call", f"< {TARGET_HOST_US:.0f} us"],
+            host_cost(quick, rng),
+        ),
+        f"Total time of this check: {time.perf_counter() - began:.0f} s.",
+    ]
+    return "\n\n".join(sections) + "\n", ok

@@ -1,0 +1,289 @@
+"""What ``bench`` times: the copy floors, numba_rope, and its peers (the specification's
+NumPy formula, onnxruntime, torch eager), each prepared for one case on one target.
+
+Also the one opset-23 ONNX model builder (the onnxruntime peer and the conformance
+tests) and the torch RoPE (the torch peer and the GPU check). onnx, onnxruntime and
+torch are imported only when their peer is prepared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import numba_rope
+from numba_rope.bench.gpu import TorchArrays, installed
+from numba_rope.bench.targets import Unavailable
+from numba_rope.bench.workloads import Case, as_dtype
+
+# ------------------------------------------------------------------ formulas and models
+
+
+def spec_formula_numpy(x, cos_cache, sin_cache, position_ids=None, interleaved=False, rotary_dim=0):
+    """The specification's NumPy algorithm (complex numbers), in complex64.
+
+    Our own words for the reference printed with the operator: pairs become complex
+    numbers ``x1 + i*x2`` multiplied by ``cos + i*sin``. Computed in float32/complex64
+    (16-bit inputs are widened first, as NumPy has no complex32) and cast back to the
+    input dtype, so it is the fair "plain NumPy" peer of a float32 kernel.
+    """
+    dtype = x.dtype
+    x = x.astype(np.float32, copy=False)
+    rotary_dim = rotary_dim or x.shape[3]
+    x_rotate, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    cache = cos_cache.astype(np.float32, copy=False) + 1j * sin_cache.astype(np.float32, copy=False)
+    if position_ids is not None:
+        cache = cache[position_ids]  # [batch, seq_len, rotary_dim/2]
+    cache = cache[:, np.newaxis]  # broadcast over heads
+    if interleaved:
+        x1, x2 = x_rotate[..., 0::2], x_rotate[..., 1::2]
+    else:
+        x1, x2 = x_rotate[..., : rotary_dim // 2], x_rotate[..., rotary_dim // 2 :]
+    rotated = (x1 + 1j * x2) * cache
+    if interleaved:
+        parts = np.stack((rotated.real, rotated.imag), axis=-1).reshape(x_rotate.shape)
+    else:
+        parts = np.concatenate((rotated.real, rotated.imag), axis=-1)
+    return np.concatenate((parts, x_pass), axis=-1).astype(dtype, copy=False)
+
+
+def torch_rope(torch: Any, x, cos_cache, sin_cache, position_ids, interleaved, rotary_dim):
+    """RoPE in torch eager ops, same formula, computed in the input's dtype."""
+    rotary_dim = rotary_dim or x.shape[3]
+    if position_ids is not None:
+        cos_cache, sin_cache = cos_cache[position_ids], sin_cache[position_ids]
+    cos, sin = cos_cache.unsqueeze(1), sin_cache.unsqueeze(1)
+    x_rotate, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    if interleaved:
+        x1, x2 = x_rotate[..., 0::2], x_rotate[..., 1::2]
+    else:
+        x1, x2 = x_rotate.chunk(2, dim=-1)
+    y1 = x1 * cos - x2 * sin
+    y2 = x2 * cos + x1 * sin
+    if interleaved:
+        rotated = torch.stack((y1, y2), dim=-1).flatten(-2)
+    else:
+        rotated = torch.cat((y1, y2), dim=-1)
+    if rotary_dim == x.shape[3]:
+        return rotated
+    return torch.cat((rotated, x_pass), dim=-1)
+
+
+#: onnx.TensorProto element types of the dtypes (numbers, so that onnx is not imported).
+ONNX_ELEMENT_TYPES = {"float32": 1, "float16": 10, "bfloat16": 16, "float64": 11}
+
+
+def onnx_rotary_model(
+    dtype: Any, with_ids: bool, interleaved: bool, rotary_dim: int, num_heads: int = 0
+):
+    """A one-node opset-23 ONNX model: ``RotaryEmbedding`` of ``input``, ``cos_cache``,
+    ``sin_cache`` and, ``with_ids``, ``position_ids``, into ``output``."""
+    from onnx import TensorProto, helper
+
+    element = ONNX_ELEMENT_TYPES[as_dtype(dtype).name]
+    names = ["input", "cos_cache", "sin_cache"] + (["position_ids"] if with_ids else [])
+    inputs = [helper.make_tensor_value_info(name, element, None) for name in names[:3]]
+    if with_ids:
+        inputs.append(helper.make_tensor_value_info("position_ids", TensorProto.INT64, None))
+    node = helper.make_node(
+        "RotaryEmbedding",
+        names,
+        ["output"],
+        interleaved=int(interleaved),
+        rotary_embedding_dim=rotary_dim,
+        num_heads=num_heads,
+    )
+    graph = helper.make_graph(
+        [node], "rope", inputs, [helper.make_tensor_value_info("output", element, None)]
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+
+
+# ------------------------------------------------------------------- implementations
+
+
+@dataclass
+class Prepared:
+    """A ready-to-time call and a way to read its last output on the host."""
+
+    call: Callable[[], object]
+    output: Callable[[], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """A benchmarked implementation: ``kind`` "copy" copies the input, "rope" rotates it."""
+
+    name: str
+    kind: str
+    prepare: Callable[[Case, Any, int], Prepared]  # (case, target, threads); may raise Unavailable
+
+
+def _numba_copy(case: Case, tgt: Any, threads: int) -> Prepared:
+    x = tgt.put(case.input)
+    out = tgt.empty_like(x)
+
+    def call():
+        tgt.copy(x, out)
+        tgt.synchronize()
+
+    return Prepared(call, lambda: tgt.to_host(out))
+
+
+def _numpy_copyto(case: Case, tgt: Any, threads: int) -> Prepared:
+    if tgt.name != "cpu":
+        raise Unavailable("host only", everywhere=True)
+    x, out = case.input, np.empty_like(case.input)
+    return Prepared(lambda: np.copyto(out, x), lambda: out)
+
+
+def _device_arguments(case: Case, tgt: Any):
+    return (
+        tgt.put(case.input),
+        tgt.put(case.cos_cache),
+        tgt.put(case.sin_cache),
+        tgt.put(case.position_ids),
+    )
+
+
+def _numba_rope_out(case: Case, tgt: Any, threads: int) -> Prepared:
+    x, cos, sin, ids = _device_arguments(case, tgt)
+    out = tgt.empty_like(x)
+    options = case.options
+
+    def call():
+        numba_rope.rotary_embedding(x, cos, sin, ids, out=out, **options)
+        tgt.synchronize()
+
+    _first_call(call, tgt)
+    return Prepared(call, lambda: tgt.to_host(out))
+
+
+def _numba_rope_alloc(case: Case, tgt: Any, threads: int) -> Prepared:
+    x, cos, sin, ids = _device_arguments(case, tgt)
+    options = case.options
+    last: list[Any] = [None]
+
+    def call():
+        last[0] = numba_rope.rotary_embedding(x, cos, sin, ids, **options)
+        tgt.synchronize()
+
+    _first_call(call, tgt)
+    return Prepared(call, lambda: tgt.to_host(last[0]))
+
+
+def _first_call(call: Callable[[], object], tgt: Any) -> None:
+    """Run once (compiling); a device the library does not accept yet is n/a, not FAILED."""
+    try:
+        call()
+    except TypeError as error:
+        if tgt.name == "cpu":
+            raise
+        raise Unavailable(f"numba_rope does not accept {tgt.name} arrays: {error}") from None
+
+
+def _numpy_spec(case: Case, tgt: Any, threads: int) -> Prepared:
+    if tgt.name != "cpu":
+        raise Unavailable("host only", everywhere=True)
+    last: list[Any] = [None]
+    w = case.workload
+
+    def call():
+        last[0] = spec_formula_numpy(
+            case.input,
+            case.cos_cache,
+            case.sin_cache,
+            case.position_ids,
+            w.interleaved,
+            w.rotary_dim,
+        )
+
+    return Prepared(call, lambda: last[0])
+
+
+def _onnxruntime(case: Case, tgt: Any, threads: int) -> Prepared:
+    if tgt.name != "cpu":
+        raise Unavailable("CPU execution provider only", everywhere=True)
+    if not installed("onnxruntime") or not installed("onnx"):
+        raise Unavailable("onnxruntime or onnx is not installed", everywhere=True)
+    if case.dtype.name not in ("float32", "float16"):
+        raise Unavailable(f"onnxruntime has no CPU {case.dtype.name} RotaryEmbedding kernel")
+    seq_len = case.workload.shape[2]
+    if case.position_ids is not None and case.cos_cache.shape[0] < seq_len:
+        raise Unavailable("onnxruntime rejects caches with fewer rows than seq_len")
+    import onnxruntime as ort
+
+    w = case.workload
+    model = onnx_rotary_model(
+        case.dtype, case.position_ids is not None, w.interleaved, w.rotary_dim
+    )
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    out = np.empty_like(case.input)
+    binding = session.io_binding()
+    binding.bind_cpu_input("input", case.input)
+    binding.bind_cpu_input("cos_cache", case.cos_cache)
+    binding.bind_cpu_input("sin_cache", case.sin_cache)
+    if case.position_ids is not None:
+        binding.bind_cpu_input("position_ids", case.position_ids)
+    binding.bind_output("output", "cpu", 0, case.dtype, out.shape, out.ctypes.data)
+    return Prepared(lambda: session.run_with_iobinding(binding), lambda: out)
+
+
+def _no_synchronization() -> None:
+    pass
+
+
+def _torch(case: Case, tgt: Any, threads: int) -> Prepared:
+    if not installed("torch"):
+        raise Unavailable("torch is not installed", everywhere=True)
+    import torch
+
+    synchronize: Callable[[], object] = _no_synchronization
+    if tgt.name == "cpu":
+        torch.set_num_threads(threads)
+    else:
+        if not torch.cuda.is_available():
+            raise Unavailable("torch has no CUDA device", everywhere=True)
+        synchronize = torch.cuda.synchronize
+    tensors = TorchArrays(tgt.name)
+    x, cos, sin, ids = (
+        tensors.to_device(a)
+        for a in (case.input, case.cos_cache, case.sin_cache, case.position_ids)
+    )
+    w = case.workload
+    last: list[Any] = [None]
+
+    def call():
+        with torch.inference_mode():
+            last[0] = torch_rope(torch, x, cos, sin, ids, w.interleaved, w.rotary_dim)
+        synchronize()
+
+    return Prepared(call, lambda: tensors.to_host(last[0]))
+
+
+def implementations(device: str, threads: int) -> list[Implementation]:
+    """What ``bench`` times on a device, floors first."""
+    copy_name = f"copy (numba, {threads} threads)" if device == "cpu" else "copy (device to device)"
+    found = [Implementation(copy_name, "copy", _numba_copy)]
+    if device == "cpu":
+        found.append(Implementation("np.copyto (1 thread)", "copy", _numpy_copyto))
+    found += [
+        Implementation("numba_rope", "rope", _numba_rope_out),
+        Implementation("numba_rope (allocating)", "rope", _numba_rope_alloc),
+    ]
+    if device == "cpu":
+        found += [
+            Implementation("numpy (spec formula, complex64)", "rope", _numpy_spec),
+            Implementation("onnxruntime", "rope", _onnxruntime),
+        ]
+    found.append(Implementation("torch eager", "rope", _torch))
+    return found

@@ -1,0 +1,184 @@
+"""The bench itself: verify, then time, every implementation on every (workload, dtype).
+
+What is measured, and how:
+
+* Every implementation's output is checked against :func:`numba_rope.reference.rotary_embedding`
+  (float64, rounded once) before it is timed; one that disagrees is reported as
+  ``FAILED`` and not timed. The copies are checked to reproduce the input bit for bit.
+* Times are medians (and 95th percentiles) of ``perf_counter`` samples after warm-up.
+  Small workloads (``batched``) time batches of calls and report the per-call time of
+  each batch, so the timer's resolution and overhead do not dominate; with
+  ``single_calls`` every sample is one call, and the 95th percentile is then the
+  latency of a single call (issue 5's decode target).
+* With ``busy``, another process spins on one core while everything is timed (see
+  :func:`~numba_rope.bench.timing.busy_loop`): small calls must not stall when the
+  machine's other cores are taken.
+* Bytes that RoPE must move: the input read, the output written, and each distinct
+  cache row read once (cos and sin). GB/s is those bytes over the median time.
+* The floor is a copy of the input into a preallocated array of the same shape: a
+  ``parallel=True`` numba loop with numba_rope's thread count, and ``np.copyto`` on one
+  thread; the faster of the two is the floor, and ``ratio`` is an implementation's
+  median over the floor's median (1.0 = as fast as copying the input).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, TextIO
+
+import numba
+import numpy as np
+
+from numba_rope import reference
+from numba_rope.bench.checks import check_output
+from numba_rope.bench.peers import Implementation, implementations
+from numba_rope.bench.report import Report, Result, environment
+from numba_rope.bench.targets import Unavailable, target
+from numba_rope.bench.timing import BATCH_SECONDS, busy_loop, time_calls
+from numba_rope.bench.workloads import DTYPES, WORKLOADS, Case, make_case
+
+
+@dataclass
+class Settings:
+    device: str = "cpu"
+    dtypes: Sequence[str] = DTYPES
+    workloads: Sequence[str] = tuple(WORKLOADS)
+    threads: int = 0  # 0: numba's current number of threads
+    repeats: int = 30
+    warmup: int = 2
+    batch_seconds: float = BATCH_SECONDS
+    budget_seconds: float = 5.0
+    single_calls: bool = False  # every sample one call, also on the batched workloads
+    busy: bool = False  # a process spins on one core while timing (busy_loop)
+
+    @classmethod
+    def quick(cls, **changes: Any) -> Settings:
+        """Tiny repeats for smoke tests: numbers are not meaningful."""
+        settings = cls(repeats=3, warmup=1, batch_seconds=1e-4, budget_seconds=0.2)
+        for name, value in changes.items():
+            setattr(settings, name, value)
+        return settings
+
+
+def _progress_printer(stream: TextIO | None) -> Callable[[str], None]:
+    if stream is None:
+        return lambda message: None
+    interactive = stream.isatty()
+
+    def show(message: str) -> None:
+        if interactive:
+            stream.write("\r\033[K" + message)
+        else:
+            stream.write(message + "\n")
+        stream.flush()
+
+    return show
+
+
+def run(
+    settings: Settings,
+    *,
+    progress: TextIO | None = sys.stderr,
+    extra: Iterable[Implementation] = (),
+) -> Report:
+    """Verify and time every implementation on every (workload, dtype) of ``settings``.
+
+    ``extra`` implementations are run after the built-in ones (the tests feed a wrong
+    one here to see it reported as FAILED). Raises :class:`Unavailable` when the device
+    is absent.
+    """
+    tgt = target(settings.device)
+    if settings.threads:
+        numba.set_num_threads(settings.threads)
+    threads = numba.get_num_threads()
+    candidates = implementations(settings.device, threads) + list(extra)
+    report = Report(
+        settings={**asdict(settings), "threads": threads},
+        environment=environment(threads),
+    )
+    show = _progress_printer(progress)
+    total = len(settings.workloads) * len(settings.dtypes) * len(candidates)
+    with busy_loop(settings.busy):
+        step = 0
+        for workload_name in settings.workloads:
+            workload = WORKLOADS[workload_name]
+            for dtype_name in settings.dtypes:
+                show(
+                    f"[{step}/{total}] {workload_name} {dtype_name}: building data and reference..."
+                )
+                case = make_case(workload, dtype_name)
+                expected = reference.rotary_embedding(
+                    case.input, case.cos_cache, case.sin_cache, case.position_ids, **case.options
+                )
+                floor: float | None = None
+                for implementation in candidates:
+                    step += 1
+                    show(f"[{step}/{total}] {workload_name} {dtype_name} {implementation.name}...")
+                    result = measure(implementation, case, expected, tgt, threads, settings, report)
+                    if result is None:
+                        continue
+                    if result.median_s is not None:
+                        if implementation.kind == "copy":
+                            floor = (
+                                result.median_s if floor is None else min(floor, result.median_s)
+                            )
+                        elif floor is not None:
+                            result.ratio_to_copy = result.median_s / floor
+                    report.results.append(result)
+                del case, expected
+    show(f"[{total}/{total}] done")
+    if progress is not None and progress.isatty():
+        progress.write("\n")
+    return report
+
+
+def measure(
+    implementation: Implementation,
+    case: Case,
+    expected: np.ndarray,
+    tgt: Any,
+    threads: int,
+    settings: Settings,
+    report: Report | None = None,
+) -> Result | None:
+    """Prepare, verify and time one implementation on one case.
+
+    Returns None for an implementation that cannot run anywhere here (recorded in
+    ``report.not_installed``).
+    """
+    result = Result(case.workload.name, case.dtype.name, tgt.name, implementation.name, "n/a")
+    try:
+        prepared = implementation.prepare(case, tgt, threads)
+        prepared.call()
+    except Unavailable as why:
+        if why.everywhere and report is not None:
+            report.not_installed[implementation.name] = str(why)
+            return None
+        result.reason = str(why)
+        return result
+    except Exception as error:  # a crashing peer is a failed peer, not a crashed bench
+        result.status, result.reason = "FAILED", f"{type(error).__name__}: {error}"
+        return result
+    want = case.input if implementation.kind == "copy" else expected
+    ok, error_eps, reason = check_output(case, implementation.kind, prepared.output(), want)
+    result.error_eps = error_eps
+    if not ok:
+        result.status, result.reason = "FAILED", reason
+        return result
+    batched = case.workload.batched and not settings.single_calls
+    timing = time_calls(
+        prepared.call,
+        settings.repeats,
+        batch_seconds=settings.batch_seconds if batched else 0.0,
+        warmup=settings.warmup,
+        budget_seconds=settings.budget_seconds,
+    )
+    moved = case.copy_bytes if implementation.kind == "copy" else case.rope_bytes
+    result.status = "ok"
+    result.median_s, result.p95_s = timing.median, timing.p95
+    result.samples, result.calls_per_sample = timing.samples, timing.calls_per_sample
+    result.bytes = moved
+    result.gb_per_s = moved / timing.median / 1e9
+    return result
