@@ -90,13 +90,13 @@ def _broadcast_caches(batch, seq_len, half, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_scattered_caches_of_a_large_call(rng, monkeypatch, parallel_always, dtype):
     # Large calls (here: all, parallel_always) rotate from packed copies of such caches.
-    from numba_rope._cpu import backend as _cpu
+    from numba_rope._cpu import backend as cpu_backend
 
     x = rng.standard_normal((3, 4, 9, 16)).astype(dtype)
     k = rng.standard_normal((3, 2, 9, 16)).astype(dtype)
     cos, sin = _broadcast_caches(3, 9, 8, dtype)
     cos_before = cos.copy()
-    kernels, launched = _cpu.kernels, []
+    kernels, launched = cpu_backend.kernels, []
 
     def recording(*options):
         def wrap(kernel):
@@ -104,7 +104,7 @@ def test_scattered_caches_of_a_large_call(rng, monkeypatch, parallel_always, dty
 
         return tuple(wrap(kernel) for kernel in kernels(*options))
 
-    monkeypatch.setattr(_cpu, "kernels", recording)
+    monkeypatch.setattr(cpu_backend, "kernels", recording)
     got = numba_rope.rotary_embedding(x, cos, sin)
     assert_bitwise_equal(got, float32_contract(x, cos, sin, None))
     got_q, got_k = numba_rope.rotary_embedding_qk(x, k, cos, sin)
@@ -118,20 +118,20 @@ def test_scattered_caches_of_a_large_call(rng, monkeypatch, parallel_always, dty
 
 def test_which_caches_are_packed(monkeypatch):
     from numba_rope import config
-    from numba_rope._cpu import backend as _cpu
+    from numba_rope._cpu import backend as cpu_backend
 
     monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 1000)
     cos, sin = _broadcast_caches(2, 8, 4, np.float32)  # 2 x 256 bytes
-    packed = _cpu.packed_caches(cos, sin, 1000, 2048)
+    packed = cpu_backend.packed_caches(cos, sin, 1000, 2048)
     assert all(p.flags.c_contiguous for p in packed)
     assert_bitwise_equal(packed[0], cos)
     assert_bitwise_equal(packed[1], sin)
     # Not for small calls, nor for caches more than a quarter of the input's bytes
     # (each row would serve few heads), nor when they already are C-contiguous.
-    assert _cpu.packed_caches(cos, sin, 999, 2048) == (cos, sin)
-    assert _cpu.packed_caches(cos, sin, 1000, 2047)[0] is cos
+    assert cpu_backend.packed_caches(cos, sin, 999, 2048) == (cos, sin)
+    assert cpu_backend.packed_caches(cos, sin, 1000, 2047)[0] is cos
     contiguous = (np.ascontiguousarray(cos), np.ascontiguousarray(sin))
-    packed = _cpu.packed_caches(*contiguous, 1000, 2048)
+    packed = cpu_backend.packed_caches(*contiguous, 1000, 2048)
     assert packed[0] is contiguous[0] and packed[1] is contiguous[1]
 
 
@@ -156,12 +156,12 @@ def test_any_work_split_gives_the_contract_bits(rng, monkeypatch, shape, tile, p
     # Token tiles (several per sequence, one partial), head groups (one sequence of one
     # token over many heads) and chunks of units: every split gives the same bits.
     from numba_rope import config
-    from numba_rope._cpu import backend as _dispatch
+    from numba_rope._cpu import backend as cpu_backend
 
     monkeypatch.setattr(config, "TOKENS_PER_TILE", tile)
     if parallel:
         monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 0)
-    _dispatch.PLANS.clear()
+    cpu_backend.PLANS.clear()
     x, cos, sin, ids = make_case(rng, shape, BFLOAT16)
     k = rng.standard_normal((shape[0], 2, shape[2], shape[3])).astype(BFLOAT16)
     for interleaved in (False, True):
@@ -174,25 +174,25 @@ def test_any_work_split_gives_the_contract_bits(rng, monkeypatch, shape, tile, p
 
 def test_work_split_groups_heads_when_units_are_few(monkeypatch):
     from numba_rope import config
-    from numba_rope._cpu import backend as _cpu
+    from numba_rope._cpu import backend as cpu_backend
 
     monkeypatch.setattr(config, "TOKENS_PER_TILE", 4)
     monkeypatch.setattr(config, "CHUNKS_PER_THREAD", 4)
     monkeypatch.setattr(numba, "get_num_threads", lambda: 2)
-    assert _cpu.work_split(1, 32, 1, parallel=True) == (4, 8, 8)  # one token, 32 heads
-    assert _cpu.work_split(8, 32, 4, parallel=True) == (4, 1, 8)  # enough units
-    assert _cpu.work_split(1, 32, 10, parallel=True) == (4, 3, 8)  # 3 tiles x 3 groups
-    assert _cpu.work_split(1, 32, 10, parallel=False) == (4, 1, 1)
+    assert cpu_backend.work_split(1, 32, 1, parallel=True) == (4, 8, 8)  # one token, 32 heads
+    assert cpu_backend.work_split(8, 32, 4, parallel=True) == (4, 1, 8)  # enough units
+    assert cpu_backend.work_split(1, 32, 10, parallel=True) == (4, 3, 8)  # 3 tiles x 3 groups
+    assert cpu_backend.work_split(1, 32, 10, parallel=False) == (4, 1, 1)
 
 
 def test_default_threshold_routes_small_serial_and_large_parallel(rng, monkeypatch):
     from numba_rope import config
-    from numba_rope._cpu import backend as _cpu
+    from numba_rope._cpu import backend as cpu_backend
 
     calls = []
-    real = _cpu._run_parallel
+    real = cpu_backend._run_parallel
     monkeypatch.setattr(
-        _cpu, "_run_parallel", lambda *args: calls.append(args[1][0].shape) or real(*args)
+        cpu_backend, "_run_parallel", lambda *args: calls.append(args[1][0].shape) or real(*args)
     )
     small = make_case(rng, (2, 8, 4, 512), np.float32)
     numba_rope.rotary_embedding(*small)
