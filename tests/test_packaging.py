@@ -46,3 +46,27 @@ def test_readme_cpu_examples_run():
         exec(compile(block, "README.md", "exec"), namespace)
         ran += 1
     assert ran >= 3
+
+
+def test_ci_reruns_numerical_tests_without_numpy_simd():
+    """After README's command, .ci/run runs the numerical tests again with the SIMD
+    targets NumPy dispatches to switched off: the files exist, and the value it passes
+    to NPY_DISABLE_CPU_FEATURES names only targets this CPU has (NumPy refuses others)."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    step = ci.split("python .ci/numpy_features_off.py", 1)[1]
+    files = re.findall(r"tests/\S+\.py", step)
+    assert "tests/test_cache.py" in files and len(files) >= 4
+    assert all((ROOT / name).is_file() for name in files), files
+    printed = subprocess.run(
+        [sys.executable, str(ROOT / ".ci" / "numpy_features_off.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    try:
+        from numpy._core import _multiarray_umath as umath  # NumPy 2
+    except ImportError:  # NumPy 1.x
+        from numpy.core import _multiarray_umath as umath
+
+    assert set(printed) <= set(umath.__cpu_dispatch__)
+    assert all(umath.__cpu_features__[name] for name in printed)
