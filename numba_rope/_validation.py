@@ -389,23 +389,10 @@ def _check_call(
 _check_call_remembered = functools.lru_cache(maxsize=1024, typed=True)(_check_call)
 
 
-def check_call(
-    names: tuple[tuple[str, ...], tuple[str, ...]],
-    inputs: tuple[Description, ...],
-    outs: tuple[Description, ...],
-    cos: Description,
-    sin: Description,
-    ids: Description,
-    offset: Description,
-    interleaved: Any,
-    rotary_embedding_dim: Any,
-    layout: Any,
-    num_heads: Any,
-    num_kv_heads: Any,
-    inverse: Any,
-) -> Call:
+def check_call(*arguments: Any) -> Call:
     """Check one call of ``rotary_embedding`` (one input) or ``rotary_embedding_qk``
-    (q and k), described by shapes, dtypes and options, and return its :class:`Call`.
+    (q and k), described by shapes, dtypes and options, and return its :class:`Call`;
+    the arguments are :func:`_check_call`'s.
 
     ``names`` are the input and output argument names (:data:`SINGLE_NAMES`,
     :data:`QK_NAMES`); ``inputs`` and ``outs`` describe the tensors and their outputs
@@ -413,12 +400,45 @@ def check_call(
     remembered: repeated calls of the same signature skip the checks. Arguments that
     cannot be hashed go to the plain check, which explains what is wrong with them.
     """
-    arguments = (names, inputs, outs, cos, sin, ids, offset)
-    options = (interleaved, rotary_embedding_dim, layout, num_heads, num_kv_heads, inverse)
     try:
-        return _check_call_remembered(*arguments, *options)
+        return _check_call_remembered(*arguments)
     except TypeError:
-        return _check_call(*arguments, *options)
+        return _check_call(*arguments)
+
+
+def check_one_gpu(ordinals: dict[int, str]) -> None:
+    """The GPUs of a call's arguments (ordinal -> first argument there): one, or
+    ``TypeError``."""
+    if len(ordinals) > 1:
+        raise TypeError(
+            "all arrays of a call must be on one GPU, but "
+            + ", ".join(f"{name} is on GPU {ordinal}" for ordinal, name in ordinals.items())
+            + "; copy them to one device first"
+        )
+
+
+def check_stream(recognised: bool, type_name: str) -> None:
+    """``stream=`` must be something the CUDA backend can run on."""
+    if not recognised:
+        raise TypeError(
+            f"stream is a {type_name}; pass a numba stream (numba.cuda.stream()), a "
+            f"torch.cuda.Stream, a cupy.cuda.Stream or a raw cudaStream_t handle (int)"
+        )
+
+
+def check_torch_dtype(dtype: Any, numpy_dtype: np.dtype | None) -> np.dtype:
+    """The NumPy dtype of a torch tensor's dtype, or ``TypeError`` when there is none."""
+    if numpy_dtype is None:
+        raise TypeError(
+            f"torch dtype {dtype} has no NumPy equivalent; rotary_embedding accepts "
+            f"float32, float16, bfloat16 and float64 tensors"
+        )
+    return numpy_dtype
+
+
+def shared_outputs_error() -> ValueError:
+    """The outputs of one call (out_q, out_k) must not share memory."""
+    return ValueError("out_q and out_k share memory; give them separate buffers")
 
 
 def offset_error(batch_index: int | None, value: int, seq_len: int, n_positions: int) -> IndexError:

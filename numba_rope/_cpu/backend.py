@@ -30,13 +30,12 @@ from numba_rope._cpu.kernels import (
     FIRST_IN_PLACE,
     OVERLAP,
     SECOND_IN_PLACE,
-    first_bad_offset,
     first_bad_position,
     make_kernels,
 )
 from numba_rope._cpu.vector import STREAM_ALIGNMENT
 from numba_rope._geometry import bhsd_array, bhsd_steps
-from numba_rope._validation import Call, offset_error, position_error
+from numba_rope._validation import Call, offset_error, position_error, shared_outputs_error
 
 name = "cpu"
 
@@ -100,9 +99,7 @@ def run(
         for x, out in zip(inputs, outs, strict=True)
     )
     positions = _kernel_positions(call, position_ids, position_offset)
-    if not any(x.size for x in inputs):
-        _check_positions_on_host(call, positions, position_ids, position_offset)
-        return results
+    # Empty tensors go to the kernel too: it checks the positions and rotates nothing.
     views = tuple(
         (_storage(bhsd_array(x, call.layout, shape)), _storage(bhsd_array(out, call.layout, shape)))
         for x, out, shape in zip(inputs, results, call.shapes, strict=True)
@@ -116,7 +113,7 @@ def run(
         # Rare: the byte ranges of an output and an input intersect. Copy the inputs
         # that really share memory with an output, then launch without the range test.
         if len(views) == 2 and np.shares_memory(views[0][1], views[1][1]):
-            raise ValueError("out_q and out_k share memory; give them separate buffers")
+            raise shared_outputs_error()
         views, args = _separate_from_outs(views, args)
         status = launch(views, args, call, check_overlap=False)
     if status >= 0:
@@ -152,19 +149,6 @@ def _kernel_positions(call: Call, position_ids: Any, position_offset: Any) -> An
             raise offset_error(b, int(offsets[b]), call.seq_len, call.n_positions)
         return offsets.astype(np.int64)
     return None
-
-
-def _check_positions_on_host(call: Call, positions, position_ids, position_offset) -> None:
-    """The kernels check positions before they write; with nothing to rotate (an empty
-    input) no kernel runs, and bad positions are still an error."""
-    if call.positions == "ids":
-        bad = int(first_bad_position(positions, call.n_positions))
-    elif call.positions == "offsets":
-        bad = int(first_bad_offset(positions, call.n_positions, call.seq_len))
-    else:
-        return  # none, or one offset: checked by _kernel_positions
-    if bad >= 0:
-        _raise_position_error(bad, call, position_ids, position_offset)
 
 
 def _raise_position_error(index: int, call: Call, position_ids, position_offset):
@@ -458,6 +442,9 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
     position). Nothing has been written then, so the general path runs the call again
     from the start and raises or handles it.
     """
+    # One function with a closure, not helpers: everything the plan can decide once is
+    # decided here, and each helper call on its path would cost the small call a
+    # Python hop (about 0.1 us each, against 8 us for the seed).
     if not all(x.size for x in inputs) or (
         position_ids is not None and position_ids.dtype not in _KERNEL_ID_DTYPES
     ):

@@ -27,7 +27,14 @@ from numba_rope._cuda.kernels import (
     rope_kernel,
 )
 from numba_rope._geometry import bhsd_geometry, byte_span, spans_meet
-from numba_rope._validation import Call, offset_error, position_error
+from numba_rope._validation import (
+    Call,
+    check_one_gpu,
+    check_stream,
+    check_torch_dtype,
+    offset_error,
+    position_error,
+)
 
 name = "cuda"
 
@@ -54,19 +61,17 @@ def _torch_dtype(dtype: Any) -> np.dtype:
     if found is not None:
         return found
     name = str(dtype).removeprefix("torch.")
+    numpy_dtype = None
     try:
         if name == "bfloat16":
             import ml_dtypes  # not at import time: it costs more than the rest of numba_rope
 
-            found = np.dtype(ml_dtypes.bfloat16)
+            numpy_dtype = np.dtype(ml_dtypes.bfloat16)
         else:
-            found = np.dtype(name)
+            numpy_dtype = np.dtype(name)
     except TypeError:
-        raise TypeError(
-            f"torch dtype {dtype} has no NumPy equivalent; rotary_embedding accepts "
-            f"float32, float16, bfloat16 and float64 tensors"
-        ) from None
-    _torch_dtypes[dtype] = found
+        pass
+    found = _torch_dtypes[dtype] = check_torch_dtype(dtype, numpy_dtype)
     return found
 
 
@@ -106,12 +111,7 @@ class CudaBackend:
                 ordinal = _device_ordinal(array, self._library[id(array)])
                 if ordinal is not None:
                     ordinals.setdefault(ordinal, argument_name)
-        if len(ordinals) > 1:
-            raise TypeError(
-                "all arrays of a call must be on one GPU, but "
-                + ", ".join(f"{name} is on GPU {ordinal}" for ordinal, name in ordinals.items())
-                + "; copy them to one device first"
-            )
+        check_one_gpu(ordinals)
         self.ordinal = next(iter(ordinals), None)
         if stream is not None:
             self.stream = as_numba_stream(stream, self.ordinal)
@@ -433,13 +433,9 @@ def as_numba_stream(stream: Any, ordinal=None):
         handle = getattr(stream, attribute, None)
         if isinstance(handle, int):
             return numba_stream(handle, ordinal)
-    if hasattr(stream, "synchronize") and (SIMULATOR or hasattr(stream, "handle")):
-        return stream  # already a numba stream
-    raise TypeError(
-        f"stream is a {type(stream).__module__}.{type(stream).__qualname__}; pass a numba "
-        f"stream (numba.cuda.stream()), a torch.cuda.Stream, a cupy.cuda.Stream or a raw "
-        f"cudaStream_t handle (int)"
-    )
+    numba_stream_given = hasattr(stream, "synchronize") and (SIMULATOR or hasattr(stream, "handle"))
+    check_stream(numba_stream_given, f"{type(stream).__module__}.{type(stream).__qualname__}")
+    return stream  # already a numba stream
 
 
 # -- device arrays: numba views of any array library, results of the caller's type --------

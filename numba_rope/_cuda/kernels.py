@@ -158,7 +158,8 @@ _CACHE_ROW = {
 def _make_rope_kernel(input_dtype: str, cache_dtype: str, positions: str, heads_per_thread: int):
     """Compile-time specialisation of the kernel for one dtype pair and one kind of
     positions (see ``_CACHE_ROW``); closure variables are constants to numba: each
-    choice is made once, not per element."""
+    choice is made once, not per element. One function for that reason: the device
+    function and the kernel close over the same constants."""
     cache_row = _CACHE_ROW[positions]
     cache_entry = _entry_by_token if positions == "token" else _entry_by_row
     widen_input = _WIDEN[input_dtype]
