@@ -145,11 +145,11 @@ def rotary_embedding(
         if key is not None:
             plan = cpu_backend.PLANS.get(key)
             if plan is not None:
-                results = plan(
+                result = plan(
                     input, None, cos_cache, sin_cache, position_ids, out, None, position_offset
                 )
-                if results is not None:
-                    return results[0]
+                if result is not None:
+                    return result
     options = (interleaved, rotary_embedding_dim, layout, num_heads, None, inverse)
     return _rotate(
         SINGLE_NAMES,

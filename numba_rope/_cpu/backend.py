@@ -435,7 +435,8 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
     with the least Python work, or None where the general path is needed anyway.
 
     The plan takes the call's arrays (``k`` and ``out_k`` None for one tensor) and its
-    ``int`` position offset (or None), and returns the outputs, or None when the
+    ``int`` position offset (or None), and returns the output (a tuple of both for two
+    tensors), or None when the
     general path must take over: an input too large for one thread or large enough to
     stream (``config.STREAMING_MIN_BYTES``), a read-only output, an offset beyond
     int64, or a kernel status other than DONE (an output overlapping an input, a bad
@@ -525,6 +526,6 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
         )
         if status != DONE:
             return None
-        return (out, out_k) if two else (out,)
+        return (out, out_k) if two else out  # one tensor: no tuple to build and index
 
     return plan
