@@ -474,7 +474,8 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
             out = np.empty(x_shape, dtype)
         elif not out.flags.writeable:
             return None
-        x_view, out_view, k_view, out_k_view = x, out, None, None
+        x_view, out_view = x, out
+        k_view = out_k_view = None
         if two:
             in_place += (out_k is k) * SECOND_IN_PLACE
             if out_k is None:
@@ -499,14 +500,16 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
             and out.flags.c_contiguous
             and cos.flags.c_contiguous
             and sin.flags.c_contiguous
-            and (not two or (k.flags.c_contiguous and out_k.flags.c_contiguous))
         ) or (
             x.strides[-1] == item
             and out.strides[-1] == item
             and cos.strides[-1] == cache_item
             and sin.strides[-1] == cache_item
-            and (not two or (k.strides[-1] == item and out_k.strides[-1] == item))
         )
+        if two and contiguous:  # rows of k and out_k contiguous too
+            contiguous = (k.flags.c_contiguous and out_k.flags.c_contiguous) or (
+                k.strides[-1] == item and out_k.strides[-1] == item
+            )
         serial = serials.get((contiguous, in_place))
         if serial is None:
             serial = kernels(call.interleaved, call.inverse, contiguous, in_place, words)[0]

@@ -1,0 +1,113 @@
+"""One-process A/B of numba_rope at another commit against the working tree.
+
+The other commit's package is exported (``git archive``) into a temporary folder and
+renamed ``numba_rope_old``, so both versions live in one process and their calls can
+alternate: the machine's drift over minutes then touches both alike. For each workload
+of :mod:`numba_rope.bench` and each 16/32-bit dtype it times ``out=``, the allocating
+call and ``rotary_embedding_qk`` (k a quarter of q's heads), after checking that both
+versions give the same bits, and prints the medians and new / old.
+
+    python tools/ab_compare.py 635ba95 --reps 31
+    python tools/ab_compare.py HEAD~3 --reps 61 --workloads seed,decode
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def export_old(revision: str, folder: Path) -> None:
+    """``numba_rope`` at ``revision`` as the package ``numba_rope_old`` in ``folder``."""
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", revision, "numba_rope"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    (folder / "numba_rope").rename(folder / "numba_rope_old")
+    for path in (folder / "numba_rope_old").rglob("*.py"):
+        text = path.read_text()
+        path.write_text(text.replace("numba_rope", "numba_rope_old"))
+
+
+def per_call(call: Callable[[], object], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - start) / calls
+
+
+def compare(old: Callable[[], object], new: Callable[[], object], reps: int) -> tuple[float, float]:
+    """Medians of ``reps`` alternating samples of about 2 ms each (the order flips)."""
+    calls = max(1, int(2e-3 / max(per_call(new, 1), 1e-7)))
+    times_old: list[float] = []
+    times_new: list[float] = []
+    for rep in range(reps):
+        pair = [(times_old, old), (times_new, new)]
+        for times, call in pair[:: 1 if rep % 2 else -1]:
+            times.append(per_call(call, calls))
+    return statistics.median(times_old), statistics.median(times_new)
+
+
+def _call(rope, name: str, case, k, out, out_k) -> Callable[[], object]:
+    """One timed call of a version (``rope``): ``out=``, allocating, or q+k."""
+    x, cos, sin, ids = case.input, case.cos_cache, case.sin_cache, case.position_ids
+    if name == "out":
+        return lambda: rope.rotary_embedding(x, cos, sin, ids, out=out, **case.options)
+    if name == "alloc":
+        return lambda: rope.rotary_embedding(x, cos, sin, ids, **case.options)
+    return lambda: rope.rotary_embedding_qk(
+        x, k, cos, sin, ids, out_q=out, out_k=out_k, **case.options
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("revision", help="the commit to compare against")
+    parser.add_argument("--reps", type=int, default=31)
+    parser.add_argument("--workloads", default="seed,decode,prefill,batch_prefill,partial")
+    parser.add_argument("--dtypes", default="float32,float16,bfloat16")
+    args = parser.parse_args(argv)
+    folder = Path(tempfile.mkdtemp(prefix="numba_rope_ab_"))
+    export_old(args.revision, folder)
+    sys.path.insert(0, str(folder))
+    import numba_rope_old  # type: ignore[import-not-found]
+
+    import numba_rope
+    from numba_rope import bench
+
+    print(f"{'workload':14s} {'dtype':9s} {'call':6s} {'old':>10s} {'new':>10s}  new/old")
+    for workload in args.workloads.split(","):
+        for dtype in args.dtypes.split(","):
+            case = bench.make_case(workload, dtype)
+            k = np.ascontiguousarray(case.input[:, : max(1, case.input.shape[1] // 4)])
+            outs = [(np.empty_like(case.input), np.empty_like(k)) for _ in range(2)]
+            for name in ("out", "alloc", "qk"):
+                old = _call(numba_rope_old, name, case, k, *outs[0])
+                new = _call(numba_rope, name, case, k, *outs[1])
+                old(), new()
+                if not np.array_equal(outs[0][0].view(np.uint8), outs[1][0].view(np.uint8)):
+                    print(f"{workload} {dtype} {name}: the two versions differ")
+                    return 1
+                median_old, median_new = compare(old, new, args.reps)
+                print(
+                    f"{workload:14s} {dtype:9s} {name:6s} {median_old * 1e6:8.1f}us "
+                    f"{median_new * 1e6:8.1f}us  {median_new / median_old:5.3f}",
+                    flush=True,
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
