@@ -204,37 +204,6 @@ def _strided_units(
                 )
 
 
-@njit(cache=True, inline="always")
-def _units(
-    x,
-    cos,
-    sin,
-    positions,
-    out,
-    rotary_dim,
-    first,
-    end,
-    tile,
-    n_groups,
-    contiguous,
-    interleaved,
-    sign,
-    words,
-    streaming,
-):
-    """Rotate units ``first <= u < end`` of one tensor by the row code its constant
-    options choose."""
-    if contiguous:
-        _contiguous_units(
-            x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups,
-            interleaved, sign, words, streaming,
-        )  # fmt: skip
-    else:
-        _strided_units(
-            x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups, interleaved, sign
-        )
-
-
 @njit(cache=True)
 def first_bad_position(position_ids, n_positions):
     """Flat index of the first id outside ``[0, n_positions)``, or -1 if all are valid."""
@@ -292,62 +261,50 @@ def _positions_span_overload(positions):
     )
 
 
-def _out_overlaps(x, k, cos, sin, positions, out, out_k):  # pragma: no cover - see overload
-    """Whether an input shares memory with an output other than as the very same
-    elements (rotating in place), or the two outputs share memory."""
-    raise NotImplementedError
-
-
-@overload(_out_overlaps, inline="always")
-def _out_overlaps_overload(x, k, cos, sin, positions, out, out_k):
-    # The spans are written out here, not in a helper taking arrays, so that a new
-    # dtype compiles no helper: byte_span_jit takes integers only.
-    # Early returns rather than one boolean expression: an inlined overload whose value
-    # is a chain of ``or`` trips numba's SSA checks.
-    if isinstance(k, types.NoneType):
-
-        def one_tensor(x, k, cos, sin, positions, out, out_k):
-            out_span = byte_span_jit(out.ctypes.data, out.shape, out.strides, out.itemsize)
-            same_elements = (x.ctypes.data == out.ctypes.data) & (x.strides == out.strides)
-            if not same_elements:  # rotating in place reads each element before writing it
-                x_span = byte_span_jit(x.ctypes.data, x.shape, x.strides, x.itemsize)
-                if spans_meet_jit(x_span, out_span):
-                    return True
-            cos_span = byte_span_jit(cos.ctypes.data, cos.shape, cos.strides, cos.itemsize)
-            if spans_meet_jit(cos_span, out_span):
-                return True
-            sin_span = byte_span_jit(sin.ctypes.data, sin.shape, sin.strides, sin.itemsize)
-            if spans_meet_jit(sin_span, out_span):
-                return True
-            return spans_meet_jit(_positions_span(positions), out_span)
-
-        return one_tensor
-
-    def two_tensors(x, k, cos, sin, positions, out, out_k):
-        # Each tensor against its own output, then across.
-        if _out_overlaps(x, None, cos, sin, positions, out, None):
-            return True
-        if _out_overlaps(k, None, cos, sin, positions, out_k, None):
-            return True
+@njit(cache=True, inline="always")
+def _overlaps_own_output(x, cos, sin, positions, out):
+    """Whether one tensor's output shares memory with its input (other than as the
+    very same elements: rotating in place reads each element before writing it), the
+    caches or the positions. The spans are written out here, not in a helper taking
+    arrays, so that a new dtype compiles no helper: byte_span_jit takes integers."""
+    out_span = byte_span_jit(out.ctypes.data, out.shape, out.strides, out.itemsize)
+    same_elements = (x.ctypes.data == out.ctypes.data) & (x.strides == out.strides)
+    if not same_elements:
         x_span = byte_span_jit(x.ctypes.data, x.shape, x.strides, x.itemsize)
-        k_span = byte_span_jit(k.ctypes.data, k.shape, k.strides, k.itemsize)
-        out_span = byte_span_jit(out.ctypes.data, out.shape, out.strides, out.itemsize)
-        out_k_span = byte_span_jit(out_k.ctypes.data, out_k.shape, out_k.strides, out_k.itemsize)
-        if spans_meet_jit(k_span, out_span):
+        if spans_meet_jit(x_span, out_span):
             return True
-        if spans_meet_jit(x_span, out_k_span):
-            return True
-        return spans_meet_jit(out_span, out_k_span)
-
-    return two_tensors
+    cos_span = byte_span_jit(cos.ctypes.data, cos.shape, cos.strides, cos.itemsize)
+    if spans_meet_jit(cos_span, out_span):
+        return True
+    sin_span = byte_span_jit(sin.ctypes.data, sin.shape, sin.strides, sin.itemsize)
+    if spans_meet_jit(sin_span, out_span):
+        return True
+    return spans_meet_jit(_positions_span(positions), out_span)
 
 
 @njit(cache=True, inline="always")
-def _preflight(x, k, cos, sin, positions, out, out_k, check_overlap):
+def _second_tensor_overlaps(x, k, cos, sin, positions, out, out_k):
+    """OVERLAP when the second tensor's output meets its input, the caches, the
+    positions or the first tensor's input, or the first output meets the second input,
+    or the two outputs meet; else DONE."""
+    if _overlaps_own_output(k, cos, sin, positions, out_k):
+        return OVERLAP
+    x_span = byte_span_jit(x.ctypes.data, x.shape, x.strides, x.itemsize)
+    k_span = byte_span_jit(k.ctypes.data, k.shape, k.strides, k.itemsize)
+    out_span = byte_span_jit(out.ctypes.data, out.shape, out.strides, out.itemsize)
+    out_k_span = byte_span_jit(out_k.ctypes.data, out_k.shape, out_k.strides, out_k.itemsize)
+    if spans_meet_jit(k_span, out_span) or spans_meet_jit(x_span, out_k_span):
+        return OVERLAP
+    return OVERLAP if spans_meet_jit(out_span, out_k_span) else DONE
+
+
+@njit(cache=True, inline="always")
+def _preflight(x, cos, sin, positions, out, check_overlap):
     """What must stop a launch before anything is written: OVERLAP (``check_overlap``
-    and :func:`_out_overlaps`), or the index of the first bad position; else DONE."""
+    and :func:`_overlaps_own_output`), or the index of the first bad position; else
+    DONE. The kernels add :func:`_second_tensor_overlaps` for a second tensor."""
     if check_overlap:
-        if _out_overlaps(x, k, cos, sin, positions, out, out_k):
+        if _overlaps_own_output(x, cos, sin, positions, out):
             return OVERLAP
     bad = _check_positions(positions, cos.shape[0], x.shape[2])
     return DONE if bad < 0 else bad
@@ -395,7 +352,10 @@ def make_kernels(
 
     # Both kernels take ``k = out_k = None`` for one tensor: numba then compiles a
     # kernel without the second tensor's code (``k is None`` is decided by the type).
-    # One tensor rotates its units as one range; two go unit by unit, q then k.
+    # One tensor rotates its units as one range; two go unit by unit, q then k. The row
+    # code is chosen here, by the constant ``contiguous``, not in an inlined helper:
+    # numba prunes a closure constant's dead branch, not an inlined argument's (a helper
+    # compiled the strided loops into every kernel too, +0.65 s cold first use).
 
     @njit(cache=True)
     def serial(x, k, cos, sin, positions, out, out_k, rotary_dim, check_overlap, tile, n_groups):
@@ -403,25 +363,45 @@ def make_kernels(
             out = x  # the same array, so that LLVM sees the same pointers (see above)
         if second_in_place:
             out_k = k
-        status = _preflight(x, k, cos, sin, positions, out, out_k, check_overlap)
+        status = _preflight(x, cos, sin, positions, out, check_overlap)
+        if k is not None and status == DONE and check_overlap:
+            status = _second_tensor_overlaps(x, k, cos, sin, positions, out, out_k)
         if status != DONE:
             return status
         n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
         if k is None:
-            _units(
-                x, cos, sin, positions, out, rotary_dim, 0, n_units, tile, n_groups,
-                contiguous, interleaved, sign, words, streaming,
-            )  # fmt: skip
+            if contiguous:
+                _contiguous_units(
+                    x, cos, sin, positions, out, rotary_dim, 0, n_units, tile, n_groups,
+                    interleaved, sign, words, streaming,
+                )  # fmt: skip
+            else:
+                _strided_units(
+                    x, cos, sin, positions, out, rotary_dim, 0, n_units, tile, n_groups,
+                    interleaved, sign,
+                )  # fmt: skip
         else:
             for unit in range(n_units):  # q's heads, then k's: k reuses the tile's cos/sin
-                _units(
-                    x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile, n_groups,
-                    contiguous, interleaved, sign, words, streaming,
-                )  # fmt: skip
-                _units(
-                    k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups,
-                    contiguous, interleaved, sign, words, streaming,
-                )  # fmt: skip
+                if contiguous:
+                    _contiguous_units(
+                        x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile, n_groups,
+                        interleaved, sign, words, streaming,
+                    )  # fmt: skip
+                else:
+                    _strided_units(
+                        x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile, n_groups,
+                        interleaved, sign,
+                    )  # fmt: skip
+                if contiguous:
+                    _contiguous_units(
+                        k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups,
+                        interleaved, sign, words, streaming,
+                    )  # fmt: skip
+                else:
+                    _strided_units(
+                        k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups,
+                        interleaved, sign,
+                    )  # fmt: skip
         if streaming:
             store_fence()
         return DONE
@@ -434,7 +414,9 @@ def make_kernels(
             out = x  # the same array (see above)
         if second_in_place:
             out_k = k
-        status = _preflight(x, k, cos, sin, positions, out, out_k, check_overlap)
+        status = _preflight(x, cos, sin, positions, out, check_overlap)
+        if k is not None and status == DONE and check_overlap:
+            status = _second_tensor_overlaps(x, k, cos, sin, positions, out, out_k)
         if status != DONE:
             return status
         n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
@@ -442,20 +424,38 @@ def make_kernels(
             first = chunk * n_units // n_chunks
             end = (chunk + 1) * n_units // n_chunks
             if k is None:
-                _units(
-                    x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups,
-                    contiguous, interleaved, sign, words, streaming,
-                )  # fmt: skip
+                if contiguous:
+                    _contiguous_units(
+                        x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups,
+                        interleaved, sign, words, streaming,
+                    )  # fmt: skip
+                else:
+                    _strided_units(
+                        x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups,
+                        interleaved, sign,
+                    )  # fmt: skip
             else:
                 for unit in range(first, end):
-                    _units(
-                        x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile,
-                        n_groups, contiguous, interleaved, sign, words, streaming,
-                    )  # fmt: skip
-                    _units(
-                        k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile,
-                        n_groups, contiguous, interleaved, sign, words, streaming,
-                    )  # fmt: skip
+                    if contiguous:
+                        _contiguous_units(
+                            x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile, n_groups,
+                            interleaved, sign, words, streaming,
+                        )  # fmt: skip
+                    else:
+                        _strided_units(
+                            x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile, n_groups,
+                            interleaved, sign,
+                        )  # fmt: skip
+                    if contiguous:
+                        _contiguous_units(
+                            k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups,
+                            interleaved, sign, words, streaming,
+                        )  # fmt: skip
+                    else:
+                        _strided_units(
+                            k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups,
+                            interleaved, sign,
+                        )  # fmt: skip
             if streaming:
                 store_fence()
         return DONE
