@@ -41,12 +41,16 @@ def type_name(obj: Any) -> str:
 
 
 def library(array: Any) -> str | None:
-    """Which library an argument comes from: ``numpy``, ``numba``, ``torch``, ``cupy``,
-    ``cuda`` (another ``__cuda_array_interface__`` exporter), or None if unsupported
-    (torch CPU tensors included). Read from the type alone: nothing is imported."""
-    if isinstance(array, np.ndarray):
-        return "numpy"
+    """Which library an argument comes from: ``numpy`` (``numpy.ndarray`` and
+    ``numpy.memmap``), ``numba``, ``torch``, ``cupy``, ``cuda`` (another
+    ``__cuda_array_interface__`` exporter), or None if unsupported: torch CPU tensors,
+    and ndarray subclasses such as ``numpy.ma.MaskedArray``, whose mask the kernels
+    would ignore. Read from the type alone: nothing is imported."""
     kind = type(array)
+    if kind is np.ndarray or kind is np.memmap:
+        return "numpy"
+    if isinstance(array, np.ndarray):
+        return None  # a subclass that may change meaning (a mask, a matrix): refused
     module = kind.__module__ or ""
     if module == "torch" or module.startswith("torch."):
         return "torch" if getattr(array, "is_cuda", False) else None

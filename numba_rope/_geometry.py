@@ -56,6 +56,24 @@ def bhsd_geometry(
     return tuple(shape), tuple(strides)
 
 
+def elements_distinct(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    """Whether no two elements of an array with this shape and these strides share a
+    byte (a sufficient test: axes sorted by stride, each stride must step past
+    everything the smaller ones reach). An array that fails may still be free of
+    overlap in some exotic interleaving; such an output is refused all the same."""
+    if 0 in shape:
+        return True
+    reach = itemsize  # bytes covered by the axes taken so far, from one element on
+    for extent, stride in sorted(
+        ((n, abs(step)) for n, step in zip(shape, strides, strict=True) if n > 1),
+        key=lambda axis: axis[1],
+    ):
+        if stride < reach:
+            return False
+        reach = stride * (extent - 1) + reach
+    return True
+
+
 def byte_span(data, shape, strides, itemsize):
     """``[first, end)`` bytes spanned by the array at address ``data`` with this shape,
     these strides and item size; ``(0, 0)`` for an empty array, which meets nothing.

@@ -73,8 +73,9 @@ class Call:
         return self.shapes[0][2]
 
 
-#: ``(shape, dtype)`` of an argument, or None when it is absent; outputs carry a third
-#: item, whether they are writeable.
+#: ``(shape, dtype)`` of an argument, or None when it is absent; outputs carry two more
+#: items: whether they are writeable, and whether their elements are distinct in memory
+#: (:func:`numba_rope._geometry.elements_distinct`).
 Description = tuple[Any, ...] | None
 
 
@@ -87,8 +88,9 @@ def check_devices(names: list[str], type_names: list[str], devices: list[str | N
             where = " on the CPU" if type_name.startswith("torch.") else ""
             raise TypeError(
                 f"{name} is a {type_name}{where}; rotary_embedding accepts NumPy arrays "
-                f"(convert with numpy.asarray), or arrays on an NVIDIA GPU: CuPy arrays, "
-                f"Numba device arrays and torch CUDA tensors"
+                f"(numpy.ndarray or numpy.memmap: convert with numpy.asarray, which also "
+                f"drops a subclass's meaning such as a mask), or arrays on an NVIDIA GPU: "
+                f"CuPy arrays, Numba device arrays and torch CUDA tensors"
             )
     on_gpu = [name for name, device in zip(names, devices, strict=True) if device == "cuda"]
     if not on_gpu:
@@ -117,6 +119,17 @@ def check_dtype(dtype: np.dtype, name: str = "input") -> str:
             f".astype(np.float32)"
         )
     return dtype.name
+
+
+def _check_byte_order(name: str, dtype: np.dtype) -> None:
+    """Arrays in the machine's byte order only: the kernels read memory as native
+    numbers (a big-endian float16 read natively is another number)."""
+    if not dtype.isnative:
+        raise TypeError(
+            f"{name} has dtype {dtype.str} ({dtype.name}) in non-native byte order; "
+            f"rotary_embedding takes arrays in the machine's byte order: convert it with "
+            f".astype({dtype.name!r}) (a copy in native order)"
+        )
 
 
 def check_rotary_dim(rotary_embedding_dim: Any, head_size: int) -> int:
@@ -150,6 +163,22 @@ def check_rotary_dim(rotary_embedding_dim: Any, head_size: int) -> int:
             f"rotary_embedding_dim must be even (channels rotate in pairs), got {rotary_dim}"
         )
     return rotary_dim
+
+
+def kernel_offset(offset: int, seq_len: int, n_positions: int, checked: bool = True) -> int:
+    """One offset for the whole batch as the kernels take it (an int64): checked to put
+    every position of the sequence in ``[0, n_positions)`` unless ``checked`` is False
+    (the GPU's unchecked mode: out-of-range rows come out NaN), and in int64 whatever
+    it is. With ``seq_len == 0`` there is no position: any integer is accepted."""
+    if not seq_len:
+        return 0
+    in_range = 0 <= offset <= n_positions - seq_len
+    if not in_range and (checked or not _INT64_MIN <= offset <= _INT64_MAX - seq_len):
+        raise offset_error(None, offset, seq_len, n_positions)
+    return offset
+
+
+_INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 
 
 def check_flag(value: Any, name: str) -> bool:
@@ -226,6 +255,12 @@ def _check_same_tensor_form(names, shapes, dtypes) -> None:
                     f"{shapes[first][axis]} and {shapes[other][axis]} (as [batch, num_heads, "
                     f"seq_len, head_size]: {shapes[first]} and {shapes[other]}); only the "
                     f"number of heads may differ"
+                    + (
+                        f"; for 3-D {names[other]} with fewer heads pass num_kv_heads= to "
+                        f"split its last dimension"
+                        if what == "head_size"
+                        else ""
+                    )
                 )
 
 
@@ -300,7 +335,7 @@ def _check_positions(ids, offset, cos_shape, batch: int, seq_len: int, half: int
 def _check_out(out: Description, out_name: str, input_name: str, input_shape, dtype) -> None:
     if out is None:
         return
-    out_shape, out_dtype, writeable = out
+    out_shape, out_dtype, writeable, distinct = out
     owner = "the input's" if input_name == "input" else f"{input_name}'s"
     if out_dtype != dtype:
         raise TypeError(f"{out_name} must have {owner} dtype {dtype.name}, got {out_dtype.name}")
@@ -312,6 +347,13 @@ def _check_out(out: Description, out_name: str, input_name: str, input_shape, dt
         raise ValueError(
             f"{out_name} is a read-only array; pass a writeable array (e.g. "
             f"np.empty_like({input_name})) or omit {out_name}"
+        )
+    if not distinct:
+        raise ValueError(
+            f"{out_name} has elements that share memory (a zero or overlapping stride, e.g. "
+            f"from broadcast_to or as_strided), so a result has nowhere to go; pass an "
+            f"array whose elements are distinct (e.g. np.empty_like({input_name})) or omit "
+            f"{out_name}"
         )
 
 
@@ -339,16 +381,34 @@ def _check_call(
     ):
         if description is None:
             raise TypeError(f"{name} is None; pass an array (NumPy, CuPy, Numba or torch CUDA)")
+    named = (
+        *zip(input_names, inputs, strict=True),
+        *zip(out_names, outs, strict=True),
+        ("cos_cache", cos),
+        ("sin_cache", sin),
+        ("position_ids", ids),
+        ("position_offset", offset),
+    )
+    for name, description in named:
+        if description is not None:
+            _check_byte_order(name, description[1])
     dtypes = [description[1] for description in inputs]  # type: ignore[index]
     dtype_name = ""
     for name, dtype in zip(input_names, dtypes, strict=True):
         dtype_name = check_dtype(dtype, name)
     heads_options = (num_heads, num_heads if num_kv_heads is None else num_kv_heads)
     heads_names = ("num_heads", "num_heads" if num_kv_heads is None else "num_kv_heads")
-    shapes = tuple(
-        logical_shape(description[0], layout, heads_options[i], heads_names[i])  # type: ignore[index]
-        for i, description in enumerate(inputs)
-    )
+    shapes = []
+    for i, description in enumerate(inputs):
+        try:
+            shapes.append(logical_shape(description[0], layout, heads_options[i], heads_names[i]))  # type: ignore[index]
+        except ValueError as error:
+            if i == 0 or num_kv_heads is not None:
+                raise
+            raise ValueError(
+                f"{input_names[i]}: {error}; {input_names[i]} may have fewer heads than "
+                f"{input_names[0]}: pass num_kv_heads="
+            ) from None
     _check_same_tensor_form(input_names, shapes, dtypes)
     batch, _, seq_len, head_size = shapes[0]
     interleaved = check_flag(interleaved, "interleaved")
@@ -374,7 +434,7 @@ def _check_call(
     return Call(
         dtype=dtypes[0],
         cache_dtype=cos[1],
-        shapes=shapes,
+        shapes=tuple(shapes),
         layout=layout,
         interleaved=interleaved,
         rotary_dim=rotary_dim,

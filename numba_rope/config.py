@@ -1,10 +1,17 @@
 """Tuning constants, read at call time so that tests and users can change them.
 
 Changing a constant never changes a result: every element is computed by the same
-arithmetic whatever the split of the work.
+arithmetic whatever the split of the work. Each is checked when it is set (an integer
+in its range, see ``_RANGES``): a bad value raises ``ValueError`` at the assignment.
 """
 
 from __future__ import annotations
+
+import operator
+import sys
+import types
+
+import numpy as np
 
 #: Inputs with fewer elements than this run on the calling thread: waking the worker
 #: threads costs more than the work (and can stall for milliseconds when another
@@ -42,3 +49,46 @@ CUDA_HEADS_PER_THREAD: int = 4
 #: Most blocks per grid dimension; larger inputs are covered by grid-stride loops.
 #: 65535 is the hardware limit on the y dimension. Tests shrink it to exercise the loops.
 CUDA_MAX_BLOCKS: int = 65535
+
+
+#: The range each constant must lie in: ``(least, most)``, most None for no bound.
+#: Checked when a constant is set (see ``_CheckedConfig``), so a call never meets a
+#: value that would skip its work or divide by zero.
+_RANGES: dict[str, tuple[int, int | None]] = {
+    "PARALLEL_MIN_ELEMENTS": (0, None),
+    "CHUNKS_PER_THREAD": (1, None),
+    "TOKENS_PER_TILE": (1, None),
+    "STREAMING_MIN_BYTES": (0, None),
+    "CUDA_THREADS_PER_BLOCK": (1, 1024),  # the hardware's limit per block
+    "CUDA_HEADS_PER_THREAD": (1, None),
+    "CUDA_MAX_BLOCKS": (1, None),
+}
+
+
+class _CheckedConfig(types.ModuleType):
+    """This module, with its constants checked when they are set: an integer in its
+    range (``numba_rope.config.TOKENS_PER_TILE = 0`` raises ``ValueError`` at once)."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        bounds = _RANGES.get(name)
+        if bounds is not None:
+            least, most = bounds
+            try:
+                number = operator.index(value)  # type: ignore[arg-type]
+            except TypeError:
+                number = None
+            if (
+                number is None
+                or isinstance(value, (bool, np.bool_))
+                or number < least
+                or (most is not None and number > most)
+            ):
+                rule = f">= {least}" if most is None else f"in [{least}, {most}]"
+                raise ValueError(
+                    f"numba_rope.config.{name} must be an integer {rule}, got {value!r}"
+                )
+            value = number
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _CheckedConfig

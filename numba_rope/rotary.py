@@ -10,7 +10,7 @@ import numpy as np
 
 from numba_rope._cpu import backend as cpu_backend
 from numba_rope._dispatch import backend_for, is_scalar
-from numba_rope._validation import QK_NAMES, SINGLE_NAMES, check_call
+from numba_rope._validation import QK_NAMES, SINGLE_NAMES, check_call, check_flag
 
 
 def rotary_embedding(
@@ -124,7 +124,7 @@ def rotary_embedding(
            [-1.,  1.,  1.,  1.]], dtype=float32)
     """
     key = None
-    if type(input) is np.ndarray:
+    if type(input) is np.ndarray and (check_position_ids is True or check_position_ids is False):
         # A NumPy call whose signature was validated before runs its plan directly.
         key = cpu_backend.plan_key(
             input,
@@ -213,8 +213,9 @@ def _rotate(
         offset,
         *options,
     )
+    check = check_flag(check_position_ids, "check_position_ids")
     results = backend.run(
-        call, inputs, outs, cos_cache, sin_cache, position_ids, position_offset, check_position_ids
+        call, inputs, outs, cos_cache, sin_cache, position_ids, position_offset, check
     )
     if key is not None and backend is cpu_backend and key not in cpu_backend.PLANS:
         cpu_backend.remember_plan(key, cpu_backend.make_plan(call, inputs, cos_cache, position_ids))
@@ -279,7 +280,11 @@ position_offset, inverse, stream, check_position_ids
     True
     """
     key = None
-    if type(q) is np.ndarray and type(k) is np.ndarray:
+    if (
+        type(q) is np.ndarray
+        and type(k) is np.ndarray
+        and (check_position_ids is True or check_position_ids is False)
+    ):
         key = cpu_backend.plan_key(
             q,
             k,

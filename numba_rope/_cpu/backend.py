@@ -34,8 +34,14 @@ from numba_rope._cpu.kernels import (
     make_kernels,
 )
 from numba_rope._cpu.vector import STREAM_ALIGNMENT
-from numba_rope._geometry import bhsd_array, bhsd_steps
-from numba_rope._validation import Call, offset_error, position_error, shared_outputs_error
+from numba_rope._geometry import bhsd_array, bhsd_steps, elements_distinct
+from numba_rope._validation import (
+    Call,
+    kernel_offset,
+    offset_error,
+    position_error,
+    shared_outputs_error,
+)
 
 name = "cpu"
 
@@ -57,10 +63,13 @@ def describe(array: Any) -> tuple[Any, ...] | None:
 
 
 def describe_out(array: Any) -> tuple[Any, ...] | None:
-    """``(shape, dtype, writeable)`` of an output argument, None for an absent one."""
+    """``(shape, dtype, writeable, distinct)`` of an output argument (see
+    :data:`numba_rope._validation.Description`), None for an absent one."""
     if array is None:
         return None
-    return array.shape, array.dtype, bool(array.flags.writeable)
+    flags = array.flags
+    distinct = flags.c_contiguous or elements_distinct(array.shape, array.strides, array.itemsize)
+    return array.shape, array.dtype, bool(flags.writeable), distinct
 
 
 def storage_dtype(dtype: np.dtype) -> np.dtype | None:
@@ -138,10 +147,7 @@ def _kernel_positions(call: Call, position_ids: Any, position_offset: Any) -> An
             _raise_position_error(bad, call, position_ids, None)
         return position_ids.astype(np.int64)
     if kind == "offset":
-        offset, seq_len = int(position_offset), call.seq_len
-        if seq_len and not 0 <= offset <= call.n_positions - seq_len:
-            raise offset_error(None, offset, seq_len, call.n_positions)
-        return np.int64(offset)
+        return np.int64(kernel_offset(int(position_offset), call.seq_len, call.n_positions))
     if kind == "offsets":
         offsets = np.asarray(position_offset)
         if offsets.dtype == np.uint64 and offsets.size and offsets.max() > _INT64_MAX:
@@ -461,6 +467,15 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
     x_logical, k_logical = call.shapes[0], call.shapes[-1]
     to_bhsd = bhsd_steps(inputs[0].ndim, layout, x_logical) != (None, None)
     serials: dict[tuple[bool, int], Any] = {}  # by (contiguous, in_place)
+    distinct_strides: dict[tuple[int, ...], bool] = {}  # outputs that are not C-contiguous
+
+    def distinct(out) -> bool:
+        found = distinct_strides.get(out.strides)
+        if found is None:
+            found = distinct_strides[out.strides] = elements_distinct(
+                out.shape, out.strides, out.itemsize
+            )
+        return found
 
     def plan(x, k, cos, sin, position_ids, out, out_k, offset=None):
         if size >= config.PARALLEL_MIN_ELEMENTS or nbytes >= config.STREAMING_MIN_BYTES:
@@ -472,7 +487,7 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
         in_place = out is x
         if out is None:
             out = np.empty(x_shape, dtype)
-        elif not out.flags.writeable:
+        elif not out.flags.writeable or not (out.flags.c_contiguous or distinct(out)):
             return None
         x_view, out_view = x, out
         k_view = out_k_view = None
@@ -480,7 +495,7 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
             in_place += (out_k is k) * SECOND_IN_PLACE
             if out_k is None:
                 out_k = np.empty(k_shape, dtype)
-            elif not out_k.flags.writeable:
+            elif not out_k.flags.writeable or not (out_k.flags.c_contiguous or distinct(out_k)):
                 return None
             k_view, out_k_view = k, out_k
         if to_bhsd:

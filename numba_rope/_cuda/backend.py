@@ -26,14 +26,16 @@ from numba_rope._cuda.kernels import (
     first_bad_position_cuda,
     rope_kernel,
 )
-from numba_rope._geometry import bhsd_geometry, byte_span, spans_meet
+from numba_rope._geometry import bhsd_geometry, byte_span, elements_distinct, spans_meet
 from numba_rope._validation import (
     Call,
     check_one_gpu,
     check_stream,
     check_torch_dtype,
+    kernel_offset,
     offset_error,
     position_error,
+    shared_outputs_error,
 )
 
 name = "cuda"
@@ -44,8 +46,6 @@ _HARDWARE_MAX_BLOCKS = 65535
 
 #: On the GPU float16 is native; bfloat16 travels as its bits.
 _GPU_STORAGE = {"bfloat16": np.dtype(np.uint16)}
-
-_INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -143,12 +143,15 @@ class CudaBackend:
         return tuple(array.shape), self.dtype_of(array)
 
     def describe_out(self, array: Any) -> tuple[Any, ...] | None:
-        """``(shape, dtype, writeable)`` of an output, None for an absent one: only a
-        generic ``__cuda_array_interface__`` exporter can say it is read-only."""
+        """``(shape, dtype, writeable, distinct)`` of an output, None for an absent
+        one: only a generic ``__cuda_array_interface__`` exporter can say it is
+        read-only."""
         if array is None:
             return None
         read_only = self._library[id(array)] == "cuda" and array.__cuda_array_interface__["data"][1]
-        return tuple(array.shape), self.dtype_of(array), not read_only
+        view = self.view(array)
+        distinct = elements_distinct(view.shape, view.strides, view.dtype.itemsize)
+        return tuple(array.shape), self.dtype_of(array), not read_only, distinct
 
     def run(
         self,
@@ -187,8 +190,13 @@ class CudaBackend:
             if positions is not None and not isinstance(positions, (int, np.integer)):
                 others.append(positions)
             in_place = [_same_view(x, out) for x, out in pairs]
+            if len(pairs) == 2 and _same_view(pairs[0][1], pairs[1][1]):
+                raise shared_outputs_error()
+            # Rotating in place leaves the pass-through channels alone, except when
+            # unchecked positions may be bad: their rows come out NaN, every channel.
+            leaves = [own and (check_position_ids or call.positions == "token") for own in in_place]
             if not _clash(pairs, others, in_place):
-                self._launch(pairs, caches, positions, call, in_place)
+                self._launch(pairs, caches, positions, call, leaves)
                 return results
             for i, (x, out) in enumerate(pairs):
                 for j in range(i + 1, len(pairs)):
@@ -197,28 +205,32 @@ class CudaBackend:
                         copied = device_array(later.shape, later.dtype, self.stream)
                         copy(later, copied, self.stream)
                         pairs[j] = (copied, pairs[j][1])
-                self._launch_through_buffer(x, out, caches, positions, call, others)
+                self._launch_through_buffer(x, out, caches, positions, call, others, leaves[i])
         return results
 
-    def _launch_through_buffer(self, x, out, caches, positions, call: Call, others) -> None:
+    def _launch_through_buffer(
+        self, x, out, caches, positions, call: Call, others, leave_pass_through: bool
+    ) -> None:
         """One tensor; when ``out`` meets an input other than as the very same elements
         (rotating in place is safe: each thread reads its elements before writing them),
         the kernel writes a fresh buffer that is then copied into ``out``."""
         in_place = _same_view(x, out)
         overlaps = any(_views_intersect(v, out) for v in [*others, *([] if in_place else [x])])
         target = device_array(out.shape, out.dtype, self.stream) if overlaps else out
-        self._launch([(x, target)], caches, positions, call, [in_place and not overlaps])
+        self._launch([(x, target)], caches, positions, call, [leave_pass_through and not overlaps])
         if overlaps:
             copy(target, out, self.stream)
 
-    def _launch(self, pairs, caches, positions, call: Call, in_place) -> None:
-        """One launch over ``(input, output)`` view pairs of one or two tensors."""
+    def _launch(self, pairs, caches, positions, call: Call, leave_pass_through) -> None:
+        """One launch over ``(input, output)`` view pairs of one or two tensors;
+        ``leave_pass_through``: per pair, whether the channels past ``rotary_dim`` are
+        left alone (rotating in place with checked positions) rather than copied."""
         heads_per_thread = max(1, int(config.CUDA_HEADS_PER_THREAD))
         half = call.rotary_dim // 2
         slots, groups = [], []
-        for (x, _), own in zip(pairs, in_place, strict=True):
-            # A slot per pair, and per pass-through channel unless rotating in place.
-            slots.append(half if own else half + x.shape[3] - call.rotary_dim)
+        for (x, _), leave in zip(pairs, leave_pass_through, strict=True):
+            # A slot per pair, and per pass-through channel unless they are left alone.
+            slots.append(half if leave else half + x.shape[3] - call.rotary_dim)
             groups.append(_cdiv(x.shape[1], heads_per_thread))
         if max(slots) == 0:
             return
@@ -252,12 +264,7 @@ class CudaBackend:
                     raise position_error(flat, tuple(position_ids.shape), value, n_positions)
             return view
         if call.positions == "offset":
-            offset = int(position_offset)
-            out_of_range = seq_len and not 0 <= offset <= n_positions - seq_len
-            # Unchecked offsets still have to fit the kernel's int64.
-            if out_of_range and (check or not _INT64_MIN <= offset <= _INT64_MAX):
-                raise offset_error(None, offset, seq_len, n_positions)
-            return offset
+            return kernel_offset(int(position_offset), seq_len, n_positions, check)
         if call.positions == "offsets":
             view = self.view(position_offset)
             if check and seq_len:

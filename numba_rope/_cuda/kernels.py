@@ -123,7 +123,13 @@ def _row_by_position_id(positions, b, s, n_rows):
 
 @cuda.jit(device=True, inline="always")
 def _row_by_offsets(positions, b, s, n_rows):
-    return _valid_row(np.int64(positions[b]) + s, n_rows)
+    # A uint64 offset above 2**63 is negative in int64: invalid before s is added
+    # (else a wrapped offset plus s could land on a valid row); an int64 offset near
+    # 2**63 is compared with the rows left, never added to s.
+    offset = np.int64(positions[b])
+    if offset >= 0 and offset < n_rows - s:  # compared before adding: no overflow
+        return offset + s
+    return np.int64(-1)
 
 
 @cuda.jit(device=True, inline="always")
