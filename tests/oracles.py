@@ -9,6 +9,17 @@
 * :func:`tensorrt_reference`: the specification's own NumPy reference, verbatim in
   behaviour (complex arithmetic), for finite inputs.
 
+Why the tolerances hold on every CPU: :func:`float32_contract` and
+``numba_rope.reference`` use only IEEE ``+ - *`` on float32/float64 arrays and rounding
+casts (NumPy's float16 cast, ml_dtypes' bfloat16 cast), which give the same bits on
+every CPU whatever SIMD code NumPy dispatches (no libm, no FMA: NumPy never fuses two
+ufuncs). numba_rope's CPU results are asserted bit for bit against the contract first,
+so a tolerance between them and the float64 reference is checked on the same numbers
+everywhere. What can vary by CPU are the peers: onnxruntime's kernels and NumPy's
+complex64 multiply (AVX-512 builds use FMA, one rounding less); their tolerances say
+so where they are used. On a real GPU ptxas contracts into FMA:
+``conftest.assert_matches_contract`` allows one unit in the last place there.
+
 Test infrastructure that is not an oracle comes from :mod:`numba_rope.bench`, shared with
 the benchmarks and the GPU check: :func:`make_case` (its case maker) and :func:`ulp_of`
 (its epsilon table).

@@ -96,7 +96,9 @@ def test_no_private_attributes_of_other_modules(path):
     aliases = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("numba_rope"):
-            aliases |= {a.asname or a.name for a in node.names if _is_module(f"{node.module}.{a.name}")}
+            aliases |= {
+                a.asname or a.name for a in node.names if _is_module(f"{node.module}.{a.name}")
+            }
         elif isinstance(node, ast.Import):
             aliases |= {a.asname or a.name for a in node.names if a.name.startswith("numba_rope")}
     for node in ast.walk(tree):
@@ -107,4 +109,6 @@ def test_no_private_attributes_of_other_modules(path):
             and node.attr.startswith("_")
             and not node.attr.startswith("__")
         ):
-            pytest.fail(f"{path} uses {node.value.id}.{node.attr}, a private name of another module")
+            pytest.fail(
+                f"{path} uses {node.value.id}.{node.attr}, a private name of another module"
+            )
