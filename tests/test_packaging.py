@@ -1,13 +1,24 @@
-"""The README's promises about commands hold."""
+"""The README's promises about commands hold, and what a user of the package looks for
+is there: the license, the changelog, the version, typed public functions."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+import numba_rope
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 def readme_commands():
@@ -70,3 +81,39 @@ def test_ci_reruns_numerical_tests_without_numpy_simd():
 
     assert set(printed) <= set(umath.__cpu_dispatch__)
     assert all(umath.__cpu_features__[name] for name in printed)
+
+
+def test_license_is_bsd_3_clause_and_packaged():
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith(
+        "BSD 3-Clause License\n\nCopyright (c) 2026, the numba_rope developers\n"
+    )
+    for clause in (
+        "1. Redistributions of source code must retain",
+        "2. Redistributions in binary form must reproduce",
+        "3. Neither the name of the copyright holder nor the names of its",
+        'THIS SOFTWARE IS PROVIDED BY THE COPYRIGHT HOLDERS AND CONTRIBUTORS "AS IS"',
+    ):
+        assert clause in text
+    project = pyproject()["project"]
+    assert project["license"] == "BSD-3-Clause"
+    assert project["license-files"] == ["LICENSE"]  # into the sdist and the wheel
+
+
+def test_the_version_is_written_once():
+    """pyproject takes the version from ``numba_rope.__version__``, a literal that
+    setuptools reads without importing the package."""
+    config = pyproject()
+    assert "version" not in config["project"]
+    assert config["project"]["dynamic"] == ["version"]
+    assert config["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "numba_rope.__version__"}
+    tree = ast.parse((ROOT / "numba_rope" / "__init__.py").read_text())
+    literals = [
+        node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and [getattr(target, "id", None) for target in node.targets] == ["__version__"]
+        and isinstance(node.value, ast.Constant)
+    ]
+    assert literals == [numba_rope.__version__]
+    assert re.fullmatch(r"\d+\.\d+\.\d+", numba_rope.__version__)
