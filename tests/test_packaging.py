@@ -100,6 +100,18 @@ def test_license_is_bsd_3_clause_and_packaged():
     assert project["license-files"] == ["LICENSE"]  # into the sdist and the wheel
 
 
+def test_version_command():
+    result = subprocess.run(
+        [sys.executable, "-m", "numba_rope", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"numba_rope {numba_rope.__version__}\n"
+
+
 def test_the_version_is_written_once():
     """pyproject takes the version from ``numba_rope.__version__``, a literal that
     setuptools reads without importing the package."""
