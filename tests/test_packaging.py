@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import numba_rope
@@ -129,3 +130,29 @@ def test_the_version_is_written_once():
     ]
     assert literals == [numba_rope.__version__]
     assert re.fullmatch(r"\d+\.\d+\.\d+", numba_rope.__version__)
+
+
+def test_typing_check_is_checked_by_mypy():
+    """tests/typing_check.py type-checks, each of its ``type: ignore`` comments on a real
+    error (``warn_unused_ignores``): a list as ``input`` is an error for mypy."""
+    api = pytest.importorskip("mypy.api")
+    config = pyproject()["tool"]["mypy"]
+    assert "tests/typing_check.py" in config["files"]
+    assert {"module": ["typing_check"], "warn_unused_ignores": True} in config["overrides"]
+    source = (ROOT / "tests" / "typing_check.py").read_text()
+    assert "rotary_embedding([1.0, 2.0, 3.0, 4.0], cos, cos)  # type: ignore[type-var]" in source
+    assert len(re.findall(r"  # type: ignore\[[a-z-]+\]$", source, re.M)) == 5
+    stdout, stderr, status = api.run(
+        ["--config-file", str(ROOT / "pyproject.toml"), str(ROOT / "tests" / "typing_check.py")]
+    )
+    assert status == 0, stdout + stderr
+
+
+def test_typing_check_good_calls_run():
+    import typing_check
+
+    typing_check.good_calls()
+    cos, sin = numba_rope.rope_cache(8, 4)
+    x = np.ones((1, 1, 2, 4), np.float32)
+    y = typing_check.gpu_arrays_keep_their_type(x, cos, sin, 3)
+    assert type(y) is np.ndarray and y.dtype == np.float32
