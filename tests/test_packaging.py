@@ -101,6 +101,15 @@ def test_license_is_bsd_3_clause_and_packaged():
     assert project["license-files"] == ["LICENSE"]  # into the sdist and the wheel
 
 
+def test_changelog_has_unreleased_and_this_version():
+    text = (ROOT / "CHANGELOG.md").read_text()
+    headings = re.findall(r"^## \[([^\]]+)\]", text, re.M)
+    assert headings[0] == "Unreleased"
+    assert re.search(
+        rf"^## \[{re.escape(numba_rope.__version__)}\] - \d{{4}}-\d\d-\d\d$", text, re.M
+    )
+
+
 def test_version_command():
     result = subprocess.run(
         [sys.executable, "-m", "numba_rope", "--version"],
