@@ -1,4 +1,5 @@
-"""Command line: ``python -m numba_rope demo`` and ``python -m numba_rope bench``."""
+"""Command line: ``python -m numba_rope demo``, ``python -m numba_rope bench`` and
+``python -m numba_rope --version``."""
 
 from __future__ import annotations
 
@@ -86,6 +87,9 @@ def demo(repeats: int = 2000, out=sys.stdout) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m numba_rope", description=__doc__)
+    parser.add_argument(
+        "--version", action="version", version=f"numba_rope {numba_rope.__version__}"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     demo_parser = commands.add_parser("demo", help="run the specification's example and check it")
     demo_parser.add_argument("--repeats", type=int, default=2000, help="timed calls per dtype")

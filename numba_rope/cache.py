@@ -21,6 +21,7 @@ import numpy.typing as npt
 
 from numba_rope import _sincos
 from numba_rope._rounding import round_once
+from numba_rope.typing import NumpyArray
 
 #: Scaling schemes, by their ``rope_type``.
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -346,7 +347,7 @@ def rope_cache(
     base: float = 10000.0,
     scaling: Mapping[str, Any] | None = None,
     dtype: npt.DTypeLike = np.float32,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[NumpyArray, NumpyArray]:
     r"""cos and sin caches of rotary position embedding, for positions
     ``0 .. max_position - 1``.
 

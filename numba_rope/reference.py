@@ -11,20 +11,26 @@ checks position ids (NumPy would silently wrap negative ones) and nothing else.
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 import numpy as np
+import numpy.typing as npt
 
 from numba_rope._rounding import round_once
+from numba_rope.typing import NumpyArray
+
+_Scalar = TypeVar("_Scalar", bound=np.generic)
 
 
 def rotary_embedding(
-    input,
-    cos_cache,
-    sin_cache,
-    position_ids=None,
+    input: npt.NDArray[_Scalar],
+    cos_cache: NumpyArray,
+    sin_cache: NumpyArray,
+    position_ids: npt.NDArray[np.integer[Any]] | None = None,
     *,
     interleaved: bool = False,
     rotary_embedding_dim: int = 0,
-):
+) -> npt.NDArray[_Scalar]:
     """Reference rotary embedding: computed in float64, rounded once to ``input.dtype``.
 
     Same arguments and semantics as :func:`numba_rope.rotary_embedding` (NumPy arrays).

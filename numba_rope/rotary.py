@@ -11,24 +11,25 @@ import numpy as np
 from numba_rope._cpu import backend as cpu_backend
 from numba_rope._dispatch import backend_for, is_scalar
 from numba_rope._validation import QK_NAMES, SINGLE_NAMES, check_call, check_flag
+from numba_rope.typing import Array, ArrayT, PositionIds, PositionOffset
 
 
 def rotary_embedding(
-    input: Any,
-    cos_cache: Any,
-    sin_cache: Any,
-    position_ids: Any = None,
+    input: ArrayT,
+    cos_cache: Array,
+    sin_cache: Array,
+    position_ids: PositionIds | None = None,
     *,
     interleaved: bool = False,
     rotary_embedding_dim: int = 0,
-    out: Any = None,
+    out: ArrayT | None = None,
     layout: str = "bhsd",
     num_heads: int | None = None,
-    position_offset: Any = None,
+    position_offset: PositionOffset | None = None,
     inverse: bool = False,
     stream: Any = None,
     check_position_ids: bool = True,
-) -> Any:
+) -> ArrayT:
     """Rotary position embedding, as TensorRT's ``RotaryEmbedding`` layer and ONNX
     ``RotaryEmbedding`` (opset 23) define it.
 
@@ -223,24 +224,24 @@ def _rotate(
 
 
 def rotary_embedding_qk(
-    q: Any,
-    k: Any,
-    cos_cache: Any,
-    sin_cache: Any,
-    position_ids: Any = None,
+    q: ArrayT,
+    k: ArrayT,
+    cos_cache: Array,
+    sin_cache: Array,
+    position_ids: PositionIds | None = None,
     *,
     interleaved: bool = False,
     rotary_embedding_dim: int = 0,
     layout: str = "bhsd",
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
-    position_offset: Any = None,
+    position_offset: PositionOffset | None = None,
     inverse: bool = False,
-    out_q: Any = None,
-    out_k: Any = None,
+    out_q: ArrayT | None = None,
+    out_k: ArrayT | None = None,
     stream: Any = None,
     check_position_ids: bool = True,
-) -> tuple[Any, Any]:
+) -> tuple[ArrayT, ArrayT]:
     """Rotate queries and keys in one pass (one launch on the GPU).
 
     Equal to ``(rotary_embedding(q, ...), rotary_embedding(k, ...))`` with the same
