@@ -133,7 +133,9 @@ def add_bench_parser(commands) -> None:
         description=textwrap.fill(
             "Verify, then time numba_rope next to the bandwidth floor (a copy of the input) "
             "and the peers that are installed (the specification's NumPy formula, "
-            "onnxruntime, torch eager). Workloads:"
+            "onnxruntime with a bound output and its allocating run(), torch eager). "
+            "The header shows the load average and the vector extensions; a WARNING "
+            "line and * mark the rows of a loaded machine or a stalled floor. Workloads:"
         )
         + "\n\n"
         + benchmarks.workload_table(),
@@ -174,7 +176,9 @@ def add_bench_parser(commands) -> None:
     )
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument(
-        "--plot", metavar="FILE.png", help="draw GB/s per workload (needs matplotlib)"
+        "--plot",
+        metavar="FILE.png",
+        help="draw GB/s per workload, with the load and any warning (needs matplotlib)",
     )
 
 

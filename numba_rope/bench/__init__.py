@@ -13,7 +13,8 @@ their own).
   the torch RoPE;
 * :mod:`~numba_rope.bench.timing`: host timing, the copy floor, the busy core;
 * :mod:`~numba_rope.bench.runner`: :func:`run`, the bench itself;
-* :mod:`~numba_rope.bench.report`: the table, the JSON and the plot;
+* :mod:`~numba_rope.bench.report`: the table, the JSON and the plot, the machine's vector
+  extensions and the warnings of a loaded run;
 * :mod:`~numba_rope.bench.gpu` and :mod:`~numba_rope.bench.gpu_check`: array adapters,
   GPU timing and the GPU check.
 
@@ -34,11 +35,14 @@ from numba_rope.bench.peers import (
 from numba_rope.bench.report import (
     Report,
     Result,
+    assess,
     environment,
     format_table,
     markdown_table,
     plot,
+    plot_figure,
     require_matplotlib,
+    vector_extensions,
     write_json,
 )
 from numba_rope.bench.runner import Settings, measure, run
@@ -89,6 +93,7 @@ __all__ = [
     "Unavailable",
     "Workload",
     "as_dtype",
+    "assess",
     "bandwidth_fraction",
     "busy_loop",
     "check_output",
@@ -105,6 +110,7 @@ __all__ = [
     "onnx_rotary_model",
     "parallel_copy",
     "plot",
+    "plot_figure",
     "require_matplotlib",
     "rope_caches",
     "run",
@@ -112,6 +118,7 @@ __all__ = [
     "target",
     "time_calls",
     "torch_rope",
+    "vector_extensions",
     "workload_table",
     "write_json",
 ]

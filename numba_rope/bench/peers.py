@@ -1,5 +1,6 @@
 """What ``bench`` times: the copy floors, numba_rope, and its peers (the specification's
-NumPy formula, onnxruntime, torch eager), each prepared for one case on one target.
+NumPy formula, onnxruntime into a bound output and its allocating ``run()``, torch eager),
+each prepared for one case on one target.
 
 Also the one opset-23 ONNX model builder (the onnxruntime peer and the conformance
 tests) and the torch RoPE (the torch peer and the GPU check). onnx, onnxruntime and
@@ -204,7 +205,8 @@ def _numpy_spec(case: Case, tgt: Any, threads: int) -> Prepared:
     return Prepared(call, lambda: last[0])
 
 
-def _onnxruntime(case: Case, tgt: Any, threads: int) -> Prepared:
+def _onnxruntime_session(case: Case, tgt: Any, threads: int) -> tuple[Any, dict[str, Any]]:
+    """An onnxruntime CPU session of the case's one-node model, and its inputs by name."""
     if tgt.name != "cpu":
         raise Unavailable("CPU execution provider only", everywhere=True)
     if not installed("onnxruntime") or not installed("onnx"):
@@ -227,15 +229,32 @@ def _onnxruntime(case: Case, tgt: Any, threads: int) -> Prepared:
     session = ort.InferenceSession(
         model.SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
+    feeds = {"input": case.input, "cos_cache": case.cos_cache, "sin_cache": case.sin_cache}
+    if case.position_ids is not None:
+        feeds["position_ids"] = case.position_ids
+    return session, feeds
+
+
+def _onnxruntime(case: Case, tgt: Any, threads: int) -> Prepared:
+    """onnxruntime writing into a preallocated output bound with I/O binding."""
+    session, feeds = _onnxruntime_session(case, tgt, threads)
     out = np.empty_like(case.input)
     binding = session.io_binding()
-    binding.bind_cpu_input("input", case.input)
-    binding.bind_cpu_input("cos_cache", case.cos_cache)
-    binding.bind_cpu_input("sin_cache", case.sin_cache)
-    if case.position_ids is not None:
-        binding.bind_cpu_input("position_ids", case.position_ids)
+    for name, array in feeds.items():
+        binding.bind_cpu_input(name, array)
     binding.bind_output("output", "cpu", 0, case.dtype, out.shape, out.ctypes.data)
     return Prepared(lambda: session.run_with_iobinding(binding), lambda: out)
+
+
+def _onnxruntime_run(case: Case, tgt: Any, threads: int) -> Prepared:
+    """onnxruntime's plain ``run()``: it allocates the output and returns it as NumPy."""
+    session, feeds = _onnxruntime_session(case, tgt, threads)
+    last: list[Any] = [None]
+
+    def call():
+        last[0] = session.run(["output"], feeds)[0]
+
+    return Prepared(call, lambda: last[0])
 
 
 def _no_synchronization() -> None:
@@ -284,6 +303,7 @@ def implementations(device: str, threads: int) -> list[Implementation]:
         found += [
             Implementation("numpy (spec formula, complex64)", "rope", _numpy_spec),
             Implementation("onnxruntime", "rope", _onnxruntime),
+            Implementation("onnxruntime run()", "rope", _onnxruntime_run),
         ]
     found.append(Implementation("torch eager", "rope", _torch))
     return found

@@ -6,9 +6,13 @@ matplotlib is imported only to plot.
 
 from __future__ import annotations
 
+import importlib
 import json
+import math
 import os
 import platform
+import textwrap
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -34,6 +38,8 @@ class Result:
     gb_per_s: float | None = None
     ratio_to_copy: float | None = None
     error_eps: float | None = None
+    kind: str = "rope"  # "copy": a floor row; "rope": an implementation of RoPE
+    noisy: str = ""  # why this row's times and ratio are not to be trusted ("": nothing seen)
 
 
 @dataclass
@@ -42,6 +48,7 @@ class Report:
     environment: dict[str, Any]
     results: list[Result] = field(default_factory=list)
     not_installed: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> list[Result]:
@@ -52,8 +59,100 @@ class Report:
             "settings": self.settings,
             "environment": self.environment,
             "not_installed": self.not_installed,
+            "warnings": self.warnings,
             "results": [asdict(r) for r in self.results],
         }
+
+
+def load_average() -> float | None:
+    """The 1-minute load average, or None where the system has none (Windows)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and its reaped children (the busy loop) so far."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows: this process only
+        return time.process_time()
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+#: Vector extensions shown, in LLVM's spelling (what numba compiles for), and NumPy's
+#: names of the same in ``__cpu_features__``: the ones RoPE's kernels can use.
+VECTOR_EXTENSIONS = {
+    "avx512f": "AVX512F",
+    "avx512bw": "AVX512BW",
+    "avx512vl": "AVX512VL",
+    "avx512bf16": "AVX512BF16",
+    "avx512fp16": "AVX512FP16",
+    "avx2": "AVX2",
+    "fma": "FMA3",
+    "f16c": "F16C",
+    "neon": "ASIMD",
+    "fullfp16": "ASIMDHP",
+    "bf16": "",
+    "sve": "SVE",
+    "sve2": "",
+}
+_X86 = ("avx512f", "avx512bw", "avx512vl", "avx512bf16", "avx512fp16", "avx2", "fma", "f16c")
+_ARM = ("neon", "fullfp16", "bf16", "sve", "sve2")
+
+
+def vector_extensions() -> dict[str, Any]:
+    """The SIMD extensions numba (LLVM) compiles for and NumPy dispatches to, here.
+
+    ``llvm`` and ``numpy`` list the present ones of :data:`VECTOR_EXTENSIONS` for this
+    architecture (LLVM's names); ``absent`` the missing ones; ``numba_cpu`` is the CPU
+    numba targets (``NUMBA_CPU_NAME`` if set, else LLVM's host CPU); ``numpy_found`` all
+    of NumPy's runtime-detected features; ``summary`` the header's line.
+    """
+    import llvmlite.binding as llvm
+
+    host = llvm.get_host_cpu_name()
+    # numba compiles for NUMBA_CPU_NAME / NUMBA_CPU_FEATURES when set, else for the host.
+    configured = getattr(numba.config, "CPU_FEATURES", None)
+    if configured is not None:
+        features_text = configured
+    else:
+        try:
+            features_text = llvm.get_host_cpu_features().flatten()
+        except RuntimeError:  # pragma: no cover - LLVM cannot read them on this host
+            features_text = ""
+    enabled = {f[1:] for f in features_text.split(",") if f.startswith("+")}
+    try:  # NumPy's runtime dispatch table (np.show_runtime()'s "found")
+        umath = importlib.import_module("numpy._core._multiarray_umath")
+    except ImportError:  # pragma: no cover - NumPy 1.x
+        umath = importlib.import_module("numpy.core._multiarray_umath")
+    numpy_features = getattr(umath, "__cpu_features__", {})
+    found = sorted(name for name, present in numpy_features.items() if present)
+    arm = platform.machine().lower() in ("arm64", "aarch64") or "neon" in enabled
+    watched = _ARM if arm else _X86
+    llvm_present = [name for name in watched if name in enabled]
+    numpy_present = [n for n in watched if VECTOR_EXTENSIONS[n] and VECTOR_EXTENSIONS[n] in found]
+    absent = [name for name in watched if name not in enabled]
+    cpu = getattr(numba.config, "CPU_NAME", None) or host
+    shown = " ".join(name.upper() for name in llvm_present) or "none of " + ", ".join(watched)
+    summary = f"vector extensions: {shown}"
+    if absent and llvm_present:
+        summary += f" (no {' '.join(name.upper() for name in absent)})"
+    summary += f"; numba/LLVM CPU {cpu}"
+    comparable = [n for n in watched if VECTOR_EXTENSIONS[n]]
+    if [n for n in llvm_present if n in comparable] == numpy_present:
+        summary += ", NumPy finds the same"
+    else:
+        summary += f", NumPy finds {' '.join(n.upper() for n in numpy_present) or 'none'}"
+    return {
+        "summary": summary,
+        "numba_cpu": cpu,
+        "llvm_host_cpu": host,
+        "llvm": llvm_present,
+        "absent": absent,
+        "numpy": numpy_present,
+        "numpy_found": found,
+    }
 
 
 def environment(threads: int) -> dict[str, Any]:
@@ -69,11 +168,108 @@ def environment(threads: int) -> dict[str, Any]:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "vector_extensions": vector_extensions(),
         "numba_threads": threads,
         "numba_threading_layer": layer,
         # A busy machine stalls parallel regions (a worker waits for a core): keep it in view.
-        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "load_average_1min": load_average(),
+        "load_average_1min_end": None,  # finish() fills these in
+        "load_average_own": None,
     }
+
+
+# ------------------------------------------------------------------- noise warnings
+
+#: Warn when other processes' 1-minute load average exceeds ``cores - threads +
+#: LOAD_MARGIN``, i.e. when they hold on average a whole core that a parallel region of
+#: ``threads`` threads needs: a worker then waits a scheduler tick. Measured on the 2-core
+#: development VM with 2 threads: at 0.45-0.64 the copies' p95 stayed within 1.9x of
+#: the floor; at 1.40 (others' sessions) the 2-thread copy of the 0.3 MB seed took
+#: 8.00 ms for 3-4 us of work (the issue's ``cores - 0.5`` = 1.5 would not have warned).
+LOAD_MARGIN = 1.0
+
+#: Warn on a (workload, dtype) whose worst copy p95 exceeds this many floor medians.
+#: Measured on that VM: quiet (load 0.45), 1.4-1.9x on seed, decode and prefill; with
+#: ``--busy`` 3.3-2700x (prefill float32 3.3x, decode 13-370x, seed 26-2700x).
+FLOOR_SPREAD_LIMIT = 3.0
+
+
+def _factor(value: float) -> str:
+    """A ratio as a short factor.
+
+    >>> _factor(8000.4), _factor(3.42)
+    ('8000x', '3.4x')
+    """
+    return f"{value:.0f}x" if value >= 10 else f"{value:.1f}x"
+
+
+def finish(report: Report, started: float, cpu_at_start: float) -> None:
+    """After a run: the load at its end and this run's share of it, then :func:`assess`.
+
+    ``started`` is ``time.perf_counter()`` and ``cpu_at_start`` :func:`cpu_seconds` at
+    the run's start. The 1-minute load average weighs the last minute: a run that kept
+    ``c`` cores busy for ``t`` seconds adds about ``c * (1 - exp(-t / 60))`` to it.
+    """
+    wall = max(time.perf_counter() - started, 1e-9)
+    busy_cores = (cpu_seconds() - cpu_at_start) / wall
+    env = report.environment
+    env["load_average_1min_end"] = load_average()
+    env["load_average_own"] = round(busy_cores * (1 - math.exp(-wall / 60)), 2)
+    assess(report)
+
+
+def assess(report: Report, cores: int | None = None) -> list[str]:
+    """Mark the rows whose times are not to be trusted and say why in ``report.warnings``.
+
+    The whole run when other processes' load average (at the start, or at the end less
+    this run's share) exceeds ``cores - threads + LOAD_MARGIN``; a (workload, dtype)
+    when its copies' worst p95 exceeds :data:`FLOOR_SPREAD_LIMIT` floor medians.
+    """
+    env = report.environment
+    cores = cores or env.get("cpu_count") or os.cpu_count() or 1
+    threads = env.get("numba_threads") or 1
+    limit = max(LOAD_MARGIN, cores - threads + LOAD_MARGIN)
+    warnings: list[str] = []
+    start, end = env.get("load_average_1min"), env.get("load_average_1min_end")
+    others_end = None if end is None else end - (env.get("load_average_own") or 0.0)
+    loaded = [
+        f"{what} {value:.2f}"
+        for what, value in (("at the start", start), ("at the end, less this run's", others_end))
+        if value is not None and value > limit
+    ]
+    if loaded:
+        why = f"load average {' and '.join(loaded)} > {limit:g}"
+        warnings.append(
+            f"WARNING: other processes' {why} ({cores} cores, {threads} threads): parallel "
+            "regions wait for a core, every time and ratio here may be inflated; "
+            "benchmark on a quiet machine"
+        )
+        for r in report.results:
+            r.noisy = why
+    cases: dict[tuple[str, str, str], list[Result]] = {}
+    for r in report.results:
+        cases.setdefault((r.workload, r.dtype, r.device), []).append(r)
+    spread_cases = []
+    for (workload, dtype, _), rows in cases.items():
+        copies = [r for r in rows if r.kind == "copy" and r.median_s and r.p95_s is not None]
+        if not copies:
+            continue
+        floor = min(r.median_s for r in copies if r.median_s)
+        spread = max(r.p95_s for r in copies if r.p95_s is not None) / floor
+        if spread > FLOOR_SPREAD_LIMIT:
+            spread_cases.append(f"{workload} {dtype} {_factor(spread)}")
+            for r in rows:
+                note = f"copy floor's p95 {_factor(spread)} its median"
+                r.noisy = f"{r.noisy}; {note}" if r.noisy else note
+    if spread_cases:
+        warnings.append(
+            f"WARNING: the copy floor stalled (worst copy p95 > {FLOOR_SPREAD_LIMIT:g}x the "
+            f"floor's median) on {', '.join(spread_cases)}: the ratios of those rows "
+            "(marked *) mean little"
+        )
+    report.warnings = warnings
+    return warnings
 
 
 def _seconds(value: float | None) -> str:
@@ -90,24 +286,38 @@ def _load(value: float | None) -> str:
     return "unknown" if value is None else f"{value:.2f}"
 
 
+def load_line(report: Report) -> str:
+    """The load average at the start and the end of the run (this run's share at the end)."""
+    env = report.environment
+    text = f"load average {_load(env.get('load_average_1min'))} at the start"
+    if env.get("load_average_1min_end") is not None:
+        text += f", {_load(env['load_average_1min_end'])} at the end"
+        if env.get("load_average_own") is not None:
+            text += f" (about {env['load_average_own']:.2f} of it this run's)"
+    return text
+
+
 def format_table(report: Report) -> str:
-    """The results as a text table, one row per (workload, dtype, implementation)."""
+    """The results as a text table, one row per (workload, dtype, implementation); rows
+    whose times are doubtful carry a ``*`` after the ratio, and the warnings close it."""
     env = report.environment
     sampled = "single calls" if report.settings.get("single_calls") else "samples"
     busy = ", a busy loop on another core" if report.settings.get("busy") else ""
+    vector = env.get("vector_extensions") or {}
     lines = [
         f"numba_rope {env['numba_rope']} on {report.settings['device']}: numba {env['numba']}, "
         f"numpy {env['numpy']}, {env['numba_threads']} threads "
         f"({env['numba_threading_layer'] or 'no parallel region run'}), "
-        f"median of up to {report.settings['repeats']} {sampled}, "
-        f"load average {_load(env.get('load_average_1min'))} at the start{busy}",
+        f"median of up to {report.settings['repeats']} {sampled}, {load_line(report)}{busy}",
+        f"{env.get('processor') or env.get('machine')}, {env.get('cpu_count')} cores, "
+        f"{vector.get('summary', 'vector extensions: unknown')}",
         "GB/s: input read + output written + distinct cache rows read, over the median; "
         "ratio: median / fastest copy (1.0 = copy speed)",
     ]
     name_width = max([len(r.implementation) for r in report.results] + [14])
     header = (
         f"{'workload':<14} {'dtype':<9} {'implementation':<{name_width}} "
-        f"{'median':>10} {'p95':>10} {'GB/s':>7} {'ratio':>6}  check"
+        f"{'median':>10} {'p95':>10} {'GB/s':>7} {'ratio':>6}   check"
     )
     lines += [header, "-" * len(header)]
     previous = None
@@ -117,15 +327,17 @@ def format_table(report: Report) -> str:
         previous = (r.workload, r.dtype)
         gbs = "-" if r.gb_per_s is None else f"{r.gb_per_s:.1f}"
         ratio = "-" if r.ratio_to_copy is None else f"{r.ratio_to_copy:.2f}"
+        mark = "*" if r.noisy else " "
         check = {"ok": "ok", "FAILED": "FAILED", "n/a": "n/a"}[r.status]
         if r.reason:
             check += f" ({r.reason})"
         lines.append(
             f"{r.workload:<14} {r.dtype:<9} {r.implementation:<{name_width}} "
-            f"{_seconds(r.median_s):>10} {_seconds(r.p95_s):>10} {gbs:>7} {ratio:>6}  {check}"
+            f"{_seconds(r.median_s):>10} {_seconds(r.p95_s):>10} {gbs:>7} {ratio:>6}{mark}  {check}"
         )
     for name, why in report.not_installed.items():
         lines.append(f"not run: {name}: {why}")
+    lines += report.warnings
     return "\n".join(lines)
 
 
@@ -150,8 +362,10 @@ def require_matplotlib() -> None:
         ) from None
 
 
-def plot(report: Report, path: str) -> None:
-    """Bar chart of GB/s per workload and implementation, one panel per dtype."""
+def plot_figure(report: Report) -> Any:
+    """The bar chart of GB/s per workload and implementation, one panel per dtype, as a
+    matplotlib figure (closed by the caller): the title says ``--quick`` when it was
+    used, the footer the load average and the warnings."""
     require_matplotlib()
     import matplotlib
 
@@ -162,8 +376,16 @@ def plot(report: Report, path: str) -> None:
     dtypes = [d for d in report.settings["dtypes"] if any(r.dtype == d for r in timed)] or ["-"]
     workloads = [w for w in report.settings["workloads"] if any(r.workload == w for r in timed)]
     names = list(dict.fromkeys(r.implementation for r in timed))
+    footer = [load_line(report) + f" on {report.environment.get('cpu_count')} cores"]
+    footer.append(report.environment.get("vector_extensions", {}).get("summary", ""))
+    footer += report.warnings
+    footer = [wrapped for line in footer if line for wrapped in textwrap.wrap(line, 150)]
     figure, axes = plt.subplots(
-        1, len(dtypes), figsize=(5 * len(dtypes) + 1, 4.5), squeeze=False, sharey=True
+        1,
+        len(dtypes),
+        figsize=(5 * len(dtypes) + 1, 4.5 + 0.3 * len(footer)),
+        squeeze=False,
+        sharey=True,
     )
     width = 0.8 / max(1, len(names))
     for axis, dtype in zip(axes[0], dtypes, strict=True):
@@ -186,10 +408,33 @@ def plot(report: Report, path: str) -> None:
         axis.grid(axis="y", alpha=0.3)
     axes[0][0].set_ylabel("GB/s (input + output + cache rows)")
     axes[0][-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    figure.suptitle(f"numba_rope {report.environment['numba_rope']}: RoPE throughput")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    title = f"numba_rope {report.environment['numba_rope']}: RoPE throughput"
+    if report.settings.get("smoke"):
+        title += " (--quick: a smoke test, the numbers mean little)"
+    figure.suptitle(title)
+    warned = bool(report.warnings)
+    figure.text(
+        0.01,
+        0.01,
+        "\n".join(footer),
+        fontsize="small",
+        color="firebrick" if warned else "dimgray",
+        va="bottom",
+        ha="left",
+    )
+    figure.tight_layout(rect=(0, min(0.5, 0.035 * len(footer)), 1, 1))
+    return figure
+
+
+def plot(report: Report, path: str) -> None:
+    """Draw :func:`plot_figure` into ``path`` (a PNG, or what its suffix names)."""
+    figure = plot_figure(report)
+    import matplotlib.pyplot as plt
+
+    try:
+        figure.savefig(path, dpi=120)
+    finally:
+        plt.close(figure)
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:

@@ -19,11 +19,15 @@ What is measured, and how:
   ``parallel=True`` numba loop with numba_rope's thread count, and ``np.copyto`` on one
   thread; the faster of the two is the floor, and ``ratio`` is an implementation's
   median over the floor's median (1.0 = as fast as copying the input).
+* Rows whose times are not to be trusted are marked and the report warns (see
+  :func:`~numba_rope.bench.report.assess`): every row when other processes' load average
+  leaves the threads no idle cores, a (workload, dtype) when its copies stalled.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO
@@ -34,7 +38,7 @@ import numpy as np
 from numba_rope import reference
 from numba_rope.bench.checks import check_output
 from numba_rope.bench.peers import Implementation, implementations
-from numba_rope.bench.report import Report, Result, environment
+from numba_rope.bench.report import Report, Result, cpu_seconds, environment, finish
 from numba_rope.bench.targets import Unavailable, target
 from numba_rope.bench.timing import BATCH_SECONDS, busy_loop, time_calls
 from numba_rope.bench.workloads import DTYPES, WORKLOADS, Case, make_case
@@ -52,11 +56,12 @@ class Settings:
     budget_seconds: float = 5.0
     single_calls: bool = False  # every sample one call, also on the batched workloads
     busy: bool = False  # a process spins on one core while timing (busy_loop)
+    smoke: bool = False  # made by quick() (`bench --quick`): the numbers mean little
 
     @classmethod
     def quick(cls, **changes: Any) -> Settings:
         """Tiny repeats for smoke tests: numbers are not meaningful."""
-        settings = cls(repeats=3, warmup=1, batch_seconds=1e-4, budget_seconds=0.2)
+        settings = cls(repeats=3, warmup=1, batch_seconds=1e-4, budget_seconds=0.2, smoke=True)
         for name, value in changes.items():
             setattr(settings, name, value)
         return settings
@@ -89,6 +94,7 @@ def run(
     one here to see it reported as FAILED). Raises :class:`Unavailable` when the device
     is absent.
     """
+    started, cpu_at_start = time.perf_counter(), cpu_seconds()
     tgt = target(settings.device)
     if settings.threads:
         numba.set_num_threads(settings.threads)
@@ -128,6 +134,7 @@ def run(
                             result.ratio_to_copy = result.median_s / floor
                     report.results.append(result)
                 del case, expected
+    finish(report, started, cpu_at_start)
     show(f"[{total}/{total}] done")
     if progress is not None and progress.isatty():
         progress.write("\n")
@@ -149,6 +156,7 @@ def measure(
     ``report.not_installed``).
     """
     result = Result(case.workload.name, case.dtype.name, tgt.name, implementation.name, "n/a")
+    result.kind = implementation.kind
     try:
         prepared = implementation.prepare(case, tgt, threads)
         prepared.call()
