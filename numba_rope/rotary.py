@@ -103,12 +103,15 @@ def rotary_embedding(
     Raises
     ------
     TypeError
-        Arguments that are not arrays, arrays on different devices, unsupported dtypes,
-        cache dtypes that differ or do not fit the input, non-integer ``position_ids``,
-        ``out`` of another dtype.
+        Arguments that are not arrays (ndarray subclasses other than ``numpy.memmap``
+        included), arrays on different devices, unsupported dtypes, arrays in
+        non-native byte order, cache dtypes that differ or do not fit the input,
+        non-integer ``position_ids``, ``out`` of another dtype, option flags that are
+        not bools.
     ValueError
         Input not 4-D, odd or out-of-range ``rotary_embedding_dim``, caches,
-        ``position_ids`` or ``out`` of the wrong shape.
+        ``position_ids`` or ``out`` of the wrong shape, a read-only ``out`` or one whose
+        elements share memory.
     IndexError
         A position id outside the caches; the message names its value and place.
 
