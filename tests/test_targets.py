@@ -1,0 +1,66 @@
+"""The CPU kernels keep the numerical contract on CPUs other than this one: compiled for
+other x86 targets (``NUMBA_CPU_NAME``, in a subprocess with its own cache folder; nothing
+runs), their machine code has no fused multiply-add, which would round once where the
+contract rounds twice. The vector registers each target's code uses are reported."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+TARGETS = ["haswell", "skylake-avx512", "znver4"]
+
+SCRIPT = r"""
+import json, re
+import numpy as np
+from numba_rope._cpu.backend import kernels, storage_dtype
+from numba_rope.bench import make_arrays
+
+report = {}
+for dtype, words in (("float32", False), ("float16", False), ("bfloat16", True)):
+    for streaming in (False, True):
+        x, cos, sin, ids = make_arrays(np.random.default_rng(0), (1, 2, 3, 64), dtype)
+        storage = storage_dtype(x.dtype)
+        view = (lambda a: a) if storage is None else (lambda a: a.view(storage))
+        serial = kernels(False, False, True, 0, words, streaming)[0]
+        out = np.empty_like(view(x))
+        signature = tuple(
+            __import__("numba").typeof(a) for a in
+            (view(x), None, view(cos), view(sin), ids, out, None, 64, True, 1024, 1)
+        )
+        serial.compile(signature)
+        asm = serial.inspect_asm(signature)
+        report[f"{dtype}{' streaming' if streaming else ''}"] = {
+            "fma": len(re.findall(r"\bv?f(n?m(add|sub)|madd|msub)\w*", asm)),
+            "zmm": asm.count("%zmm"), "ymm": asm.count("%ymm"),
+            "nontemporal": len(re.findall(r"\bv?movnt", asm)),
+        }
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 targets")
+@pytest.mark.parametrize("cpu", TARGETS)
+def test_kernels_compiled_for_other_x86_cpus_contain_no_fma(tmp_path, cpu):
+    env = {
+        **os.environ,
+        "NUMBA_CPU_NAME": cpu,
+        "NUMBA_CPU_FEATURES": "",
+        "NUMBA_CACHE_DIR": str(tmp_path),  # never mix this target's code into the cache
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    print(cpu, report)  # the vector registers each target uses (pytest -s shows them)
+    for variant, counts in report.items():
+        assert counts["fma"] == 0, f"{cpu} {variant}: fused multiply-add in the kernel"
+        if "streaming" in variant:
+            assert counts["nontemporal"] > 0, f"{cpu} {variant}: no non-temporal store"
+        assert counts["ymm"] + counts["zmm"] > 0, f"{cpu} {variant}: not vectorized"
