@@ -1,4 +1,5 @@
-"""numba as numba_rope uses it, decided in one place.
+"""numba as numba_rope uses it, decided in one place: where compiled code is cached
+and whether this process may run parallel regions.
 
 * Every ``@njit`` function of the package is made by :func:`cached_njit`: cached on
   disk where numba finds a writable cache location (``NUMBA_CACHE_DIR``, the
@@ -7,10 +8,18 @@
   container run as an unprivileged user), where ``numba.njit(cache=True)`` itself
   raises ``RuntimeError: cannot cache function ...: no locator available``. The
   compiled code is the same either way.
+* After ``os.fork`` of a process whose parallel regions ran on numba's ``omp``
+  threading layer (GNU OpenMP on Linux, numba's choice when TBB is not installed), the
+  child is killed on its first parallel region ("fork() called from a process already using GNU OpenMP, this is
+  unsafe"). :func:`parallel_regions_usable` is False in such a child (and its own
+  children): the CPU kernels and the cos/sin kernel then run their serial versions,
+  whose results are the same bits. numba's ``workqueue`` and ``tbb`` layers start
+  afresh in a forked child and keep their threads.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -34,3 +43,27 @@ def cached_njit(**options: Any) -> Callable[[Callable], Any]:
         return numba.njit(**options)(function)
 
     return decorate
+
+
+# -- parallel regions after fork -----------------------------------------------------------
+
+_forked_from_openmp = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked_from_openmp
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # no parallel region ran before the fork: threads start here afresh
+        return
+    if layer == "omp":
+        _forked_from_openmp = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def parallel_regions_usable() -> bool:
+    """False in a process forked (directly or not) from one that had started numba's
+    OpenMP threads: a parallel region would kill it. Callers then run serial code."""
+    return not _forked_from_openmp

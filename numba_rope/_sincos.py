@@ -28,7 +28,7 @@ import math
 import numpy as np
 from numba import prange
 
-from numba_rope._jit import cached_njit
+from numba_rope._jit import cached_njit, parallel_regions_usable
 
 # ------------------------------------------------------------------ exact constants
 
@@ -202,25 +202,37 @@ def _reduce(x):
     return int(k) & 3, rh, rl
 
 
-@cached_njit(parallel=True)
-def _cos_sin_kernel(frequencies, cos, sin, table):
+@cached_njit(inline="always")
+def _cos_sin_row(p, frequencies, cos, sin, table):
     """Row ``p``: cos and sin of ``p * frequencies`` (float64 products). Angles the kernel
     does not reduce (``>= 2**26``, or not finite) are left as NaN for the caller."""
-    rows, columns = cos.shape
-    for p in prange(rows):
-        position = float(p)
-        for i in range(columns):
-            angle = position * frequencies[i]
-            negative = angle < 0.0
-            x = -angle if negative else angle
-            if x < _KERNEL_LIMIT:
-                quadrant, rh, rl = _reduce(x)
-                c, s = _reduced_cos_sin(quadrant, rh, rl, table)
-                cos[p, i] = c
-                sin[p, i] = -s if negative else s
-            else:
-                cos[p, i] = np.nan
-                sin[p, i] = np.nan
+    position = float(p)
+    for i in range(cos.shape[1]):
+        angle = position * frequencies[i]
+        negative = angle < 0.0
+        x = -angle if negative else angle
+        if x < _KERNEL_LIMIT:
+            quadrant, rh, rl = _reduce(x)
+            c, s = _reduced_cos_sin(quadrant, rh, rl, table)
+            cos[p, i] = c
+            sin[p, i] = -s if negative else s
+        else:
+            cos[p, i] = np.nan
+            sin[p, i] = np.nan
+
+
+@cached_njit(parallel=True)
+def _cos_sin_kernel(frequencies, cos, sin, table):
+    for p in prange(cos.shape[0]):
+        _cos_sin_row(p, frequencies, cos, sin, table)
+
+
+@cached_njit()
+def _cos_sin_serial(frequencies, cos, sin, table):
+    """:func:`_cos_sin_kernel` on the calling thread (the same bits), for a process that
+    may not run parallel regions (see :mod:`numba_rope._jit`)."""
+    for p in range(cos.shape[0]):
+        _cos_sin_row(p, frequencies, cos, sin, table)
 
 
 @cached_njit()
@@ -248,7 +260,8 @@ def cos_sin(max_position: int, frequencies: np.ndarray) -> tuple[np.ndarray, np.
     sin = np.empty_like(cos)
     if cos.size == 0:
         return cos, sin
-    _cos_sin_kernel(frequencies, cos, sin, _TABLE)
+    kernel = _cos_sin_kernel if parallel_regions_usable() else _cos_sin_serial
+    kernel(frequencies, cos, sin, _TABLE)
     rows, columns = np.nonzero(np.isnan(cos))  # angles the kernel left to us
     if rows.size:
         with np.errstate(over="ignore"):  # an infinite angle gives NaN, as in NumPy

@@ -1,5 +1,5 @@
 """numba_rope in hostile processes, each test in a subprocess of its own: a read-only
-install with no writable cache location."""
+install with no writable cache location, a child forked after parallel calls."""
 
 from __future__ import annotations
 
@@ -114,3 +114,76 @@ def test_read_only_install_still_caches_in_numba_cache_dir(read_only_install, tm
     _run(READ_ONLY_SCRIPT, env | {"NUMBA_CACHE_DIR": str(cache)}, tmp_path)
     cached = {path.name.split(".")[0] for path in cache.rglob("*.nbi")}
     assert {"_sincos", "_rotation", "kernels"} <= cached, sorted(cached)
+
+
+# -- fork ----------------------------------------------------------------------------------
+
+FORK_SCRIPT = """
+import multiprocessing, os, signal, sys, time, traceback
+import numba, numpy as np
+import numba_rope
+from numba_rope import config
+from numba_rope._cpu import backend
+
+assert numba_rope.__file__.startswith(sys.argv[1]), numba_rope.__file__
+config.PARALLEL_MIN_ELEMENTS = 1 << 12  # every call below runs the parallel kernels
+TIMEOUT = 60
+
+rng = np.random.default_rng(7)
+x = rng.standard_normal((2, 4, 256, 16), dtype=np.float32)
+k = rng.standard_normal((2, 2, 256, 16), dtype=np.float32)
+ids = rng.integers(0, 300, size=(2, 256))
+
+def work(_=None):
+    cos, sin = numba_rope.rope_cache(300, 16, dtype=np.float32)  # a parallel kernel too
+    out = numba_rope.rotary_embedding(x, cos, sin, ids)
+    q_out, k_out = numba_rope.rotary_embedding_qk(x, k, cos, sin, ids, interleaved=True)
+    return b"".join(a.tobytes() for a in (cos, sin, out, q_out, k_out))
+
+expected = work()
+print("layer", numba.threading_layer(), flush=True)  # raises unless threads started
+# Another thread inside a parallel call at the fork holds the workqueue lock: a child
+# must not inherit it held.
+backend._parallel_lock.acquire()
+
+pid = os.fork()
+if pid == 0:
+    code = 4
+    try:
+        code = 0 if work() == expected else 3
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+deadline = time.monotonic() + TIMEOUT
+while True:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    if time.monotonic() > deadline:
+        os.kill(pid, signal.SIGKILL)
+        sys.exit("the os.fork child hung")
+    time.sleep(0.05)
+code = os.waitstatus_to_exitcode(status)
+assert code == 0, f"the os.fork child ended with {code}"
+
+with multiprocessing.get_context("fork").Pool(2) as pool:
+    backend._parallel_lock.release()
+    results = pool.map_async(work, range(4)).get(timeout=TIMEOUT)
+assert all(result == expected for result in results), "a pool worker's bits differ"
+assert work() == expected  # and the parent still runs in parallel
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.parametrize("layer", [None, "workqueue"], ids=["default-layer", "workqueue"])
+def test_calls_in_forked_children_give_the_parents_bits(layer):
+    """After parallel calls, a child of ``os.fork`` and the workers of a fork-context
+    pool compute the same bits as the parent. Under GNU OpenMP (numba's default
+    threading layer on Linux) the child used to be killed on its first parallel call
+    and the pool hung."""
+    env = _env(ROOT, NUMBA_NUM_THREADS="2", NUMBA_THREADING_LAYER=layer)
+    result = _run(FORK_SCRIPT, env, ROOT)
+    assert "ok" in result.stdout
+    if layer is not None:
+        assert f"layer {layer}" in result.stdout
