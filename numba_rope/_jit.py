@@ -1,5 +1,5 @@
-"""numba as numba_rope uses it, decided in one place: where compiled code is cached
-and whether this process may run parallel regions.
+"""numba as numba_rope uses it, decided in one place: where compiled code is cached,
+whether this process may run parallel regions, and whether the JIT compiler is on.
 
 * Every ``@njit`` function of the package is made by :func:`cached_njit`: cached on
   disk where numba finds a writable cache location (``NUMBA_CACHE_DIR``, the
@@ -15,6 +15,9 @@ and whether this process may run parallel regions.
   children): the CPU kernels and the cos/sin kernel then run their serial versions,
   whose results are the same bits. numba's ``workqueue`` and ``tbb`` layers start
   afresh in a forked child and keep their threads.
+* ``NUMBA_DISABLE_JIT=1`` turns ``@njit`` functions into plain Python, in which the
+  rotation kernels cannot run (they are built from numba intrinsics and overloads):
+  :func:`require_jit` raises a clear error instead.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numba
+from numba.core import config as numba_config
 
 #: What ``numba.njit(cache=True)`` raises when no cache location is usable.
 _NO_LOCATOR = "no locator available"
@@ -67,3 +71,19 @@ def parallel_regions_usable() -> bool:
     """False in a process forked (directly or not) from one that had started numba's
     OpenMP threads: a parallel region would kill it. Callers then run serial code."""
     return not _forked_from_openmp
+
+
+# -- NUMBA_DISABLE_JIT ---------------------------------------------------------------------
+
+JIT_DISABLED_MESSAGE = (
+    "numba_rope needs numba's JIT compiler: NUMBA_DISABLE_JIT=1 is not supported "
+    "(the rotation kernels are built from numba intrinsics and overloads, which exist "
+    "only in compiled code). Unset NUMBA_DISABLE_JIT; numba_rope.reference and "
+    "numba_rope.rope_cache (slowly) run without the JIT."
+)
+
+
+def require_jit() -> None:
+    """Raise RuntimeError with :data:`JIT_DISABLED_MESSAGE` if numba's JIT is off."""
+    if getattr(numba_config, "DISABLE_JIT", False):
+        raise RuntimeError(JIT_DISABLED_MESSAGE)

@@ -1,5 +1,6 @@
-"""numba_rope in hostile processes, each test in a subprocess of its own: a read-only
-install with no writable cache location, a child forked after parallel calls."""
+"""numba_rope in hostile processes, each test in a subprocess of its own: a child forked
+after parallel calls, a read-only install with no writable cache location, and numba's
+JIT turned off."""
 
 from __future__ import annotations
 
@@ -187,3 +188,56 @@ def test_calls_in_forked_children_give_the_parents_bits(layer):
     assert "ok" in result.stdout
     if layer is not None:
         assert f"layer {layer}" in result.stdout
+
+
+# -- NUMBA_DISABLE_JIT ---------------------------------------------------------------------
+
+DISABLED_JIT_SCRIPT = """
+import numpy as np
+import numba_rope
+from numba_rope import reference
+
+cos, sin = numba_rope.rope_cache(8, 4, dtype=np.float32)  # runs as Python
+x = np.ones((1, 2, 4, 4), np.float32)
+ids = np.arange(4)[None]
+reference.rotary_embedding(x, cos, sin, ids)
+for call in (
+    lambda: numba_rope.rotary_embedding(x, cos, sin, ids),
+    lambda: numba_rope.rotary_embedding_qk(x, x, cos, sin, ids),
+):
+    try:
+        call()
+    except RuntimeError as error:
+        assert "NUMBA_DISABLE_JIT=1 is not supported" in str(error), error
+    else:
+        raise AssertionError("no error under NUMBA_DISABLE_JIT=1")
+print("ok")
+"""
+
+
+def test_disabled_jit_is_refused_clearly():
+    """Under ``NUMBA_DISABLE_JIT=1`` a rotation raises a RuntimeError that says so (it
+    used to be a bare NotImplementedError from a kernel run as Python); ``rope_cache``
+    and the reference still run."""
+    result = _run(DISABLED_JIT_SCRIPT, _env(ROOT, NUMBA_DISABLE_JIT="1"), ROOT)
+    assert "ok" in result.stdout
+
+
+@pytest.mark.gpu
+def test_disabled_jit_is_refused_clearly_on_the_gpu():
+    code = """
+import numpy as np
+from numba import cuda
+import numba_rope
+x = cuda.to_device(np.ones((1, 2, 4, 4), np.float32))
+cos, sin = (cuda.to_device(a) for a in numba_rope.rope_cache(8, 4, dtype=np.float32))
+try:
+    numba_rope.rotary_embedding(x, cos, sin, cuda.to_device(np.arange(4)[None]))
+except RuntimeError as error:
+    assert "NUMBA_DISABLE_JIT=1 is not supported" in str(error), error
+else:
+    raise AssertionError("no error under NUMBA_DISABLE_JIT=1")
+print("ok")
+"""
+    result = _run(code, _env(ROOT, NUMBA_DISABLE_JIT="1", NUMBA_ENABLE_CUDASIM="1"), ROOT)
+    assert "ok" in result.stdout

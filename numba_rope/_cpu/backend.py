@@ -36,7 +36,7 @@ from numba_rope._cpu.kernels import (
 )
 from numba_rope._cpu.vector import STREAM_ALIGNMENT
 from numba_rope._geometry import bhsd_array, bhsd_steps
-from numba_rope._jit import parallel_regions_usable
+from numba_rope._jit import parallel_regions_usable, require_jit
 from numba_rope._validation import Call, offset_error, position_error, shared_outputs_error
 
 name = "cpu"
@@ -231,6 +231,7 @@ def kernels(
     key = (interleaved, inverse, contiguous, int(in_place), words, streaming)
     found = _kernel_sets.get(key)
     if found is None:
+        require_jit()
         found = _kernel_sets[key] = make_kernels(*key)
     return found
 
