@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from numba_rope._cpu import backend as cpu_backend
+from numba_rope._jit import require_jit
 from numba_rope._validation import check_devices
 
 #: The device of each kind of array (see :func:`library`).
@@ -80,6 +81,7 @@ def backend_for(arrays: tuple[Any, ...], names: tuple[str, ...], stream: Any = N
     )
     if device == "cpu":
         return cpu_backend
+    require_jit()  # without the JIT, _rotation.rotate_pair is Python: no CUDA kernel can call it
     from numba_rope._cuda.backend import CudaBackend
 
     return CudaBackend(arrays, names, libraries, stream)

@@ -9,7 +9,7 @@ kernels use compiled copies of the span functions (:data:`byte_span_jit`,
 
 from __future__ import annotations
 
-from numba import njit
+from numba_rope._jit import cached_njit
 
 #: The axes of a ``[batch, seq_len, num_heads, head_size]`` array in BHSD order.
 _SWAP_HEADS_AND_TOKENS = (0, 2, 1, 3)
@@ -99,5 +99,5 @@ def spans_meet(a, b):
 
 
 #: The same functions compiled for the CPU kernels.
-byte_span_jit = njit(cache=True)(byte_span)
-spans_meet_jit = njit(cache=True)(spans_meet)
+byte_span_jit = cached_njit()(byte_span)
+spans_meet_jit = cached_njit()(spans_meet)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from numba import njit
+from numba_rope._jit import cached_njit
 
 
-@njit(cache=True)
+@cached_njit()
 def rotate_pair(x1, x2, cos, sin):
     """Rotate the 2-D vector ``(x1, x2)`` by the angle whose cosine and sine are given.
 

@@ -26,7 +26,9 @@ import decimal
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
+
+from numba_rope._jit import cached_njit, parallel_regions_usable
 
 # ------------------------------------------------------------------ exact constants
 
@@ -110,7 +112,7 @@ _TABLE = _sin_cos_table()
 # ------------------------------------------------------------- double-double kernel
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _two_sum(a: float, b: float) -> tuple[float, float]:
     """``a + b == s + e`` exactly (Knuth)."""
     s = a + b
@@ -118,7 +120,7 @@ def _two_sum(a: float, b: float) -> tuple[float, float]:
     return s, (a - (s - v)) + (b - v)
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _split(a: float) -> tuple[float, float]:
     """``a == hi + lo`` with 26-bit halves (Veltkamp)."""
     t = 134217729.0 * a  # 2**27 + 1
@@ -126,7 +128,7 @@ def _split(a: float) -> tuple[float, float]:
     return hi, a - hi
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _two_product(a: float, b: float) -> tuple[float, float]:
     """``a * b == p + e`` exactly (Dekker; no FMA, so the same on every CPU)."""
     p = a * b
@@ -135,7 +137,7 @@ def _two_product(a: float, b: float) -> tuple[float, float]:
     return p, ((ah * bh - p) + ah * bl + al * bh) + al * bl
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _reduced_cos_sin(quadrant, rh, rl, table):
     """cos and sin of ``quadrant * pi/2 + (rh + rl)``, ``|rh + rl| <= pi/4 + tiny``.
 
@@ -185,7 +187,7 @@ def _reduced_cos_sin(quadrant, rh, rl, table):
     return sin_r, -cos_r
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _reduce(x):
     """``x = k*pi/2 + rh + rl`` for ``0 <= x < 2**26``: ``(k mod 4, rh, rl)``."""
     k = math.floor(x * _TWO_OVER_PI + 0.5)
@@ -200,28 +202,40 @@ def _reduce(x):
     return int(k) & 3, rh, rl
 
 
-@njit(cache=True, parallel=True)
-def _cos_sin_kernel(frequencies, cos, sin, table):
+@cached_njit(inline="always")
+def _cos_sin_row(p, frequencies, cos, sin, table):
     """Row ``p``: cos and sin of ``p * frequencies`` (float64 products). Angles the kernel
     does not reduce (``>= 2**26``, or not finite) are left as NaN for the caller."""
-    rows, columns = cos.shape
-    for p in prange(rows):
-        position = float(p)
-        for i in range(columns):
-            angle = position * frequencies[i]
-            negative = angle < 0.0
-            x = -angle if negative else angle
-            if x < _KERNEL_LIMIT:
-                quadrant, rh, rl = _reduce(x)
-                c, s = _reduced_cos_sin(quadrant, rh, rl, table)
-                cos[p, i] = c
-                sin[p, i] = -s if negative else s
-            else:
-                cos[p, i] = np.nan
-                sin[p, i] = np.nan
+    position = float(p)
+    for i in range(cos.shape[1]):
+        angle = position * frequencies[i]
+        negative = angle < 0.0
+        x = -angle if negative else angle
+        if x < _KERNEL_LIMIT:
+            quadrant, rh, rl = _reduce(x)
+            c, s = _reduced_cos_sin(quadrant, rh, rl, table)
+            cos[p, i] = c
+            sin[p, i] = -s if negative else s
+        else:
+            cos[p, i] = np.nan
+            sin[p, i] = np.nan
 
 
-@njit(cache=True)
+@cached_njit(parallel=True)
+def _cos_sin_kernel(frequencies, cos, sin, table):
+    for p in prange(cos.shape[0]):
+        _cos_sin_row(p, frequencies, cos, sin, table)
+
+
+@cached_njit()
+def _cos_sin_serial(frequencies, cos, sin, table):
+    """:func:`_cos_sin_kernel` on the calling thread (the same bits), for a process that
+    may not run parallel regions (see :mod:`numba_rope._jit`)."""
+    for p in range(cos.shape[0]):
+        _cos_sin_row(p, frequencies, cos, sin, table)
+
+
+@cached_njit()
 def _reduced_kernel(quadrants, his, los, cos, sin, table):
     for n in range(quadrants.size):
         cos[n], sin[n] = _reduced_cos_sin(quadrants[n], his[n], los[n], table)
@@ -246,7 +260,8 @@ def cos_sin(max_position: int, frequencies: np.ndarray) -> tuple[np.ndarray, np.
     sin = np.empty_like(cos)
     if cos.size == 0:
         return cos, sin
-    _cos_sin_kernel(frequencies, cos, sin, _TABLE)
+    kernel = _cos_sin_kernel if parallel_regions_usable() else _cos_sin_serial
+    kernel(frequencies, cos, sin, _TABLE)
     rows, columns = np.nonzero(np.isnan(cos))  # angles the kernel left to us
     if rows.size:
         with np.errstate(over="ignore"):  # an infinite angle gives NaN, as in NumPy

@@ -17,6 +17,7 @@ Python work, and falls back to the full path whenever it cannot decide alone.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -35,6 +36,7 @@ from numba_rope._cpu.kernels import (
 )
 from numba_rope._cpu.vector import STREAM_ALIGNMENT
 from numba_rope._geometry import bhsd_array, bhsd_steps, elements_distinct
+from numba_rope._jit import parallel_regions_usable, require_jit
 from numba_rope._validation import (
     Call,
     kernel_offset,
@@ -204,6 +206,16 @@ def _separate_from_outs(views: tuple, args: tuple) -> tuple[tuple, tuple]:
 _parallel_lock = threading.Lock()
 _threading_layer_is_safe = False
 
+
+def _reset_after_fork() -> None:
+    # A thread of the parent may have held the lock at the fork: in the child it would
+    # be held forever, by a thread that does not exist there.
+    global _parallel_lock
+    _parallel_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
 #: Kernels by (interleaved, inverse, contiguous, in_place, words, streaming), made on
 #: first use.
 _kernel_sets: dict[tuple[bool, bool, bool, int, bool, bool], tuple] = {}
@@ -225,6 +237,7 @@ def kernels(
     key = (interleaved, inverse, contiguous, int(in_place), words, streaming)
     found = _kernel_sets.get(key)
     if found is None:
+        require_jit()
         found = _kernel_sets[key] = make_kernels(*key)
     return found
 
@@ -321,7 +334,15 @@ def _run_parallel(kernel, args: tuple) -> int:
 
 
 def _parallel(size: int) -> bool:
-    return size >= config.PARALLEL_MIN_ELEMENTS and numba.get_num_threads() > 1
+    """Whether a call of ``size`` elements runs the parallel kernel: a large call, in a
+    process that may run parallel regions (not a fork child of a process that started
+    GNU OpenMP's threads, see :func:`numba_rope._jit.parallel_regions_usable`; numba's
+    thread count is not even asked there), with more than one thread."""
+    return (
+        size >= config.PARALLEL_MIN_ELEMENTS
+        and parallel_regions_usable()
+        and numba.get_num_threads() > 1
+    )
 
 
 def launch(views: tuple, args: tuple, call: Call, check_overlap=True, in_place: int = 0) -> int:

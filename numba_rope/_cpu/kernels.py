@@ -16,12 +16,13 @@ bfloat16 arrays arrive as 16-bit integer views (see :mod:`numba_rope._conversion
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange, types
+from numba import prange, types
 from numba.extending import overload
 
 from numba_rope._conversions import narrow_like, widen
 from numba_rope._cpu.vector import row, store_fence, stream_copy, vector_pairs
 from numba_rope._geometry import byte_span_jit, spans_meet_jit
+from numba_rope._jit import cached_njit
 from numba_rope._rotation import rotate_pair
 
 #: Kernel return codes besides the index of a bad position id or offset (>= 0).
@@ -69,7 +70,7 @@ def _cache_row_offset_overload(cache, positions, b, s):
     return lambda cache, positions, b, s: (positions[b] + s) * cache.strides[0]
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign, words, streaming):
     """Rotate one row. Each pair is read before either of its elements is written, so
     ``out_row`` may be ``x_row``.
@@ -116,13 +117,13 @@ def rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign, 
         out_row[i] = x_row[i]
 
 
-@njit(cache=True)
+@cached_njit()
 def _n_units(batch, seq_len, tile, n_groups):
     """Number of work units: (batch entry, tile of ``tile`` tokens, head group)."""
     return batch * ((seq_len + tile - 1) // tile) * n_groups
 
 
-@njit(cache=True)
+@cached_njit()
 def _unit_bounds(unit, seq_len, num_heads, tile, n_groups):
     """``(b, first token, end token, first head, end head)`` of a work unit."""
     n_tiles = (seq_len + tile - 1) // tile
@@ -138,7 +139,7 @@ def _unit_bounds(unit, seq_len, num_heads, tile, n_groups):
     )
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _contiguous_units(
     x,
     cos,
@@ -180,7 +181,7 @@ def _contiguous_units(
                 )
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _strided_units(
     x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups, interleaved, sign
 ):
@@ -204,7 +205,7 @@ def _strided_units(
                 )
 
 
-@njit(cache=True)
+@cached_njit()
 def first_bad_position(position_ids, n_positions):
     """Flat index of the first id outside ``[0, n_positions)``, or -1 if all are valid."""
     flat = 0
@@ -217,7 +218,7 @@ def first_bad_position(position_ids, n_positions):
     return -1
 
 
-@njit(cache=True)
+@cached_njit()
 def first_bad_offset(offsets, n_positions, seq_len):
     """First batch entry whose positions ``offset .. offset + seq_len - 1`` leave
     ``[0, n_positions)``, or -1."""
@@ -261,7 +262,7 @@ def _positions_span_overload(positions):
     )
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _overlaps_own_output(x, cos, sin, positions, out):
     """Whether one tensor's output shares memory with its input (other than as the
     very same elements: rotating in place reads each element before writing it), the
@@ -282,7 +283,7 @@ def _overlaps_own_output(x, cos, sin, positions, out):
     return spans_meet_jit(_positions_span(positions), out_span)
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _second_tensor_overlaps(x, k, cos, sin, positions, out, out_k):
     """OVERLAP when the second tensor's output meets its input, the caches, the
     positions or the first tensor's input, or the first output meets the second input,
@@ -298,7 +299,7 @@ def _second_tensor_overlaps(x, k, cos, sin, positions, out, out_k):
     return OVERLAP if spans_meet_jit(out_span, out_k_span) else DONE
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _preflight(x, cos, sin, positions, out, check_overlap):
     """What must stop a launch before anything is written: OVERLAP (``check_overlap``
     and :func:`_overlaps_own_output`), or the index of the first bad position; else
@@ -357,7 +358,7 @@ def make_kernels(
     # numba prunes a closure constant's dead branch, not an inlined argument's (a helper
     # compiled the strided loops into every kernel too, +0.65 s cold first use).
 
-    @njit(cache=True)
+    @cached_njit()
     def serial(x, k, cos, sin, positions, out, out_k, rotary_dim, check_overlap, tile, n_groups):
         if first_in_place:
             out = x  # the same array, so that LLVM sees the same pointers (see above)
@@ -406,7 +407,7 @@ def make_kernels(
             store_fence()
         return DONE
 
-    @njit(parallel=True, cache=True)
+    @cached_njit(parallel=True)
     def parallel(
         x, k, cos, sin, positions, out, out_k, rotary_dim, check_overlap, tile, n_groups, n_chunks
     ):

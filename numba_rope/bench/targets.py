@@ -10,8 +10,9 @@ import importlib.util
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from numba_rope._jit import cached_njit
 from numba_rope.bench.checks import UNSIGNED
 from numba_rope.bench.workloads import DEVICES
 
@@ -27,7 +28,7 @@ class Unavailable(Exception):
         self.everywhere = everywhere
 
 
-@njit(parallel=True, cache=True)
+@cached_njit(parallel=True)
 def _copy_parallel(source, destination):
     # One flat loop: numba gives each thread one contiguous block of it.
     for i in prange(source.shape[0]):

@@ -1,0 +1,243 @@
+"""numba_rope in hostile processes, each test in a subprocess of its own: a child forked
+after parallel calls, a read-only install with no writable cache location, and numba's
+JIT turned off."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import numba_rope
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "numba_rope"
+
+#: Seconds a whole subprocess may take (cold compilation included).
+SUBPROCESS_TIMEOUT = 300
+
+
+def _run(code: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    """Run ``code``, whose ``sys.argv[1]`` is the directory numba_rope must come from."""
+    result = subprocess.run(
+        [sys.executable, "-c", code, env["PYTHONPATH"]],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT,
+        env=env,
+        cwd=cwd,
+    )
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def _env(pythonpath: Path, **changes: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(pythonpath)
+    for name, value in changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+# -- read-only install ---------------------------------------------------------------------
+
+READ_ONLY_SCRIPT = """
+import hashlib, sys
+import numpy as np
+import numba_rope
+from numba_rope import config
+
+assert numba_rope.__file__.startswith(sys.argv[1]), numba_rope.__file__
+x = np.random.default_rng(3).standard_normal((1, 4, 64, 8), dtype=np.float32)
+cos, sin = numba_rope.rope_cache(64, 8, dtype=np.float32)
+ids = np.arange(64)[None]
+small = numba_rope.rotary_embedding(x, cos, sin, ids)
+config.PARALLEL_MIN_ELEMENTS = 0
+large = numba_rope.rotary_embedding(x, cos, sin, ids)
+print(hashlib.sha256(small.tobytes() + cos.tobytes() + sin.tobytes()).hexdigest())
+print(hashlib.sha256(large.tobytes()).hexdigest())
+"""
+
+
+def _expected_digests() -> list[str]:
+    x = np.random.default_rng(3).standard_normal((1, 4, 64, 8), dtype=np.float32)
+    cos, sin = numba_rope.rope_cache(64, 8, dtype=np.float32)
+    out = numba_rope.rotary_embedding(x, cos, sin, np.arange(64)[None])
+    return [
+        hashlib.sha256(out.tobytes() + cos.tobytes() + sin.tobytes()).hexdigest(),
+        hashlib.sha256(out.tobytes()).hexdigest(),
+    ]
+
+
+@pytest.fixture
+def read_only_install(tmp_path):
+    """A copy of the package where numba finds no cache location, even as root: every
+    ``__pycache__`` is a file (no directory can be made there), and the home and cache
+    directories lie under a file. Returns the environment of a process using it."""
+    site = tmp_path / "site"
+    shutil.copytree(PACKAGE, site / "numba_rope", ignore=shutil.ignore_patterns("__pycache__"))
+    for init in (site / "numba_rope").rglob("__init__.py"):
+        (init.parent / "__pycache__").write_text("")
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    env = _env(
+        site,
+        HOME=str(blocked / "home"),
+        XDG_CACHE_HOME=str(blocked / "cache"),
+        NUMBA_CACHE_DIR=str(blocked / "numba"),
+        PYTHONDONTWRITEBYTECODE="1",
+    )
+    return env
+
+
+def test_read_only_install_imports_and_computes_the_same_bits(read_only_install, tmp_path):
+    """With no writable cache location (an unusable ``NUMBA_CACHE_DIR`` too), import
+    used to fail with "cannot cache function 'rotate_pair': no locator available"; the
+    package now compiles in memory, to the same bits."""
+    env = read_only_install
+    result = _run(READ_ONLY_SCRIPT, env, tmp_path)
+    assert result.stdout.split() == _expected_digests()
+
+
+def test_read_only_install_still_caches_in_numba_cache_dir(read_only_install, tmp_path):
+    """numba's own ``NUMBA_CACHE_DIR`` is still where compiled code goes when usable."""
+    env = read_only_install
+    cache = tmp_path / "numba-cache"
+    _run(READ_ONLY_SCRIPT, env | {"NUMBA_CACHE_DIR": str(cache)}, tmp_path)
+    cached = {path.name.split(".")[0] for path in cache.rglob("*.nbi")}
+    assert {"_sincos", "_rotation", "kernels"} <= cached, sorted(cached)
+
+
+# -- fork ----------------------------------------------------------------------------------
+
+FORK_SCRIPT = """
+import multiprocessing, os, signal, sys, time, traceback
+import numba, numpy as np
+import numba_rope
+from numba_rope import config
+from numba_rope._cpu import backend
+
+assert numba_rope.__file__.startswith(sys.argv[1]), numba_rope.__file__
+config.PARALLEL_MIN_ELEMENTS = 1 << 12  # every call below runs the parallel kernels
+TIMEOUT = 60
+
+rng = np.random.default_rng(7)
+x = rng.standard_normal((2, 4, 256, 16), dtype=np.float32)
+k = rng.standard_normal((2, 2, 256, 16), dtype=np.float32)
+ids = rng.integers(0, 300, size=(2, 256))
+
+def work(_=None):
+    cos, sin = numba_rope.rope_cache(300, 16, dtype=np.float32)  # a parallel kernel too
+    out = numba_rope.rotary_embedding(x, cos, sin, ids)
+    q_out, k_out = numba_rope.rotary_embedding_qk(x, k, cos, sin, ids, interleaved=True)
+    return b"".join(a.tobytes() for a in (cos, sin, out, q_out, k_out))
+
+expected = work()
+print("layer", numba.threading_layer(), flush=True)  # raises unless threads started
+# Another thread inside a parallel call at the fork holds the workqueue lock: a child
+# must not inherit it held.
+backend._parallel_lock.acquire()
+
+pid = os.fork()
+if pid == 0:
+    code = 4
+    try:
+        code = 0 if work() == expected else 3
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+deadline = time.monotonic() + TIMEOUT
+while True:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    if time.monotonic() > deadline:
+        os.kill(pid, signal.SIGKILL)
+        sys.exit("the os.fork child hung")
+    time.sleep(0.05)
+code = os.waitstatus_to_exitcode(status)
+assert code == 0, f"the os.fork child ended with {code}"
+
+with multiprocessing.get_context("fork").Pool(2) as pool:
+    backend._parallel_lock.release()
+    results = pool.map_async(work, range(4)).get(timeout=TIMEOUT)
+assert all(result == expected for result in results), "a pool worker's bits differ"
+assert work() == expected  # and the parent still runs in parallel
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.parametrize("layer", [None, "workqueue"], ids=["default-layer", "workqueue"])
+def test_calls_in_forked_children_give_the_parents_bits(layer):
+    """After parallel calls, a child of ``os.fork`` and the workers of a fork-context
+    pool compute the same bits as the parent. Under GNU OpenMP (numba's default
+    threading layer on Linux) the child used to be killed on its first parallel call
+    and the pool hung."""
+    env = _env(ROOT, NUMBA_NUM_THREADS="2", NUMBA_THREADING_LAYER=layer)
+    result = _run(FORK_SCRIPT, env, ROOT)
+    assert "ok" in result.stdout
+    if layer is not None:
+        assert f"layer {layer}" in result.stdout
+
+
+# -- NUMBA_DISABLE_JIT ---------------------------------------------------------------------
+
+DISABLED_JIT_SCRIPT = """
+import numpy as np
+import numba_rope
+from numba_rope import reference
+
+cos, sin = numba_rope.rope_cache(8, 4, dtype=np.float32)  # runs as Python
+x = np.ones((1, 2, 4, 4), np.float32)
+ids = np.arange(4)[None]
+reference.rotary_embedding(x, cos, sin, ids)
+for call in (
+    lambda: numba_rope.rotary_embedding(x, cos, sin, ids),
+    lambda: numba_rope.rotary_embedding_qk(x, x, cos, sin, ids),
+):
+    try:
+        call()
+    except RuntimeError as error:
+        assert "NUMBA_DISABLE_JIT=1 is not supported" in str(error), error
+    else:
+        raise AssertionError("no error under NUMBA_DISABLE_JIT=1")
+print("ok")
+"""
+
+
+def test_disabled_jit_is_refused_clearly():
+    """Under ``NUMBA_DISABLE_JIT=1`` a rotation raises a RuntimeError that says so (it
+    used to be a bare NotImplementedError from a kernel run as Python); ``rope_cache``
+    and the reference still run."""
+    result = _run(DISABLED_JIT_SCRIPT, _env(ROOT, NUMBA_DISABLE_JIT="1"), ROOT)
+    assert "ok" in result.stdout
+
+
+@pytest.mark.gpu
+def test_disabled_jit_is_refused_clearly_on_the_gpu():
+    code = """
+import numpy as np
+from numba import cuda
+import numba_rope
+x = cuda.to_device(np.ones((1, 2, 4, 4), np.float32))
+cos, sin = (cuda.to_device(a) for a in numba_rope.rope_cache(8, 4, dtype=np.float32))
+try:
+    numba_rope.rotary_embedding(x, cos, sin, cuda.to_device(np.arange(4)[None]))
+except RuntimeError as error:
+    assert "NUMBA_DISABLE_JIT=1 is not supported" in str(error), error
+else:
+    raise AssertionError("no error under NUMBA_DISABLE_JIT=1")
+print("ok")
+"""
+    result = _run(code, _env(ROOT, NUMBA_DISABLE_JIT="1", NUMBA_ENABLE_CUDASIM="1"), ROOT)
+    assert "ok" in result.stdout
