@@ -275,3 +275,20 @@ def test_qk_with_one_array_as_both_outputs_is_refused(rng, device):
     with pytest.raises(ValueError, match="out_q and out_k share memory"):
         numba_rope.rotary_embedding_qk(dq, dq, on(cos), on(sin), on(ids), out_q=dq, out_k=dq)
     assert_bitwise_equal(off(dq), q)  # not rotated, once or twice
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["zero stride", "half-overlapping rows"])
+def test_gpu_outputs_with_overlapping_elements_are_refused(rng, gpu, kind):
+    x, cos, sin, ids = make_case(rng, (2, 3, 4, 8), np.float32)
+    host_out = _overlapping_outputs(x)[kind]
+    base = host_out.base
+    while getattr(base, "base", None) is not None:
+        base = base.base
+    device_base, device_out = gpu.views(base, host_out)
+    before = gpu.off(device_base).copy()
+    with pytest.raises(ValueError, match="out has elements that share memory"):
+        numba_rope.rotary_embedding(
+            gpu.on(x), gpu.on(cos), gpu.on(sin), gpu.on(ids), out=device_out
+        )
+    np.testing.assert_array_equal(gpu.off(device_base), before)
