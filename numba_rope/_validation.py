@@ -357,22 +357,8 @@ def _check_out(out: Description, out_name: str, input_name: str, input_shape, dt
         )
 
 
-def _check_call(
-    names: tuple[tuple[str, ...], tuple[str, ...]],
-    inputs: tuple[Description, ...],
-    outs: tuple[Description, ...],
-    cos: Description,
-    sin: Description,
-    ids: Description,
-    offset: Description,
-    interleaved: Any,
-    rotary_embedding_dim: Any,
-    layout: Any,
-    num_heads: Any,
-    num_kv_heads: Any,
-    inverse: Any,
-) -> Call:
-    """Check one call; see :func:`check_call`."""
+def _check_present_and_native(names, inputs, outs, cos, sin, ids, offset) -> None:
+    """Required arrays given, and every array in the machine's byte order."""
     input_names, out_names = names
     for name, description in (
         *zip(input_names, inputs, strict=True),
@@ -392,16 +378,20 @@ def _check_call(
     for name, description in named:
         if description is not None:
             _check_byte_order(name, description[1])
-    dtypes = [description[1] for description in inputs]  # type: ignore[index]
-    dtype_name = ""
+
+
+def _check_tensors(input_names, inputs, layout, num_heads, num_kv_heads):
+    """``(dtypes, logical shapes)`` of the tensors, checked alone and against the first
+    (q and k: one dtype, the same batch, sequence and head size)."""
+    dtypes = [description[1] for description in inputs]
     for name, dtype in zip(input_names, dtypes, strict=True):
-        dtype_name = check_dtype(dtype, name)
+        check_dtype(dtype, name)
     heads_options = (num_heads, num_heads if num_kv_heads is None else num_kv_heads)
     heads_names = ("num_heads", "num_heads" if num_kv_heads is None else "num_kv_heads")
     shapes = []
     for i, description in enumerate(inputs):
         try:
-            shapes.append(logical_shape(description[0], layout, heads_options[i], heads_names[i]))  # type: ignore[index]
+            shapes.append(logical_shape(description[0], layout, heads_options[i], heads_names[i]))
         except ValueError as error:
             if i == 0 or num_kv_heads is not None:
                 raise
@@ -410,6 +400,29 @@ def _check_call(
                 f"{input_names[0]}: pass num_kv_heads="
             ) from None
     _check_same_tensor_form(input_names, shapes, dtypes)
+    return dtypes, shapes
+
+
+def _check_call(
+    names: tuple[tuple[str, ...], tuple[str, ...]],
+    inputs: tuple[Description, ...],
+    outs: tuple[Description, ...],
+    cos: Description,
+    sin: Description,
+    ids: Description,
+    offset: Description,
+    interleaved: Any,
+    rotary_embedding_dim: Any,
+    layout: Any,
+    num_heads: Any,
+    num_kv_heads: Any,
+    inverse: Any,
+) -> Call:
+    """Check one call; see :func:`check_call`."""
+    input_names, out_names = names
+    _check_present_and_native(names, inputs, outs, cos, sin, ids, offset)
+    dtypes, shapes = _check_tensors(input_names, inputs, layout, num_heads, num_kv_heads)
+    dtype_name = dtypes[0].name
     batch, _, seq_len, head_size = shapes[0]
     interleaved = check_flag(interleaved, "interleaved")
     inverse = check_flag(inverse, "inverse")
