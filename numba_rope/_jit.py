@@ -10,8 +10,8 @@ whether this process may run parallel regions, and whether the JIT compiler is o
   compiled code is the same either way.
 * After ``os.fork`` of a process whose parallel regions ran on numba's ``omp``
   threading layer (GNU OpenMP on Linux, numba's choice when TBB is not installed), the
-  child is killed on its first parallel region ("fork() called from a process already using GNU OpenMP, this is
-  unsafe"). :func:`parallel_regions_usable` is False in such a child (and its own
+  child is killed on its first parallel region ("fork() called from a process already
+  using GNU OpenMP, this is unsafe"). :func:`parallel_regions_usable` is False in such a child (and its own
   children): the CPU kernels and the cos/sin kernel then run their serial versions,
   whose results are the same bits. numba's ``workqueue`` and ``tbb`` layers start
   afresh in a forked child and keep their threads.
@@ -64,7 +64,8 @@ def _after_fork_in_child() -> None:
         _forked_from_openmp = True
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+if hasattr(os, "register_at_fork"):  # POSIX only: Windows has no fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def parallel_regions_usable() -> bool:

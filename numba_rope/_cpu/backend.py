@@ -214,7 +214,8 @@ def _reset_after_fork() -> None:
     _parallel_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_reset_after_fork)
+if hasattr(os, "register_at_fork"):  # POSIX only: Windows has no fork
+    os.register_at_fork(after_in_child=_reset_after_fork)
 
 #: Kernels by (interleaved, inverse, contiguous, in_place, words, streaming), made on
 #: first use.
