@@ -284,7 +284,24 @@ def _check_caches(cos, sin, dtype_name: str):
         )
 
 
-def _check_positions(ids, offset, cos_shape, batch: int, seq_len: int, half: int) -> str:
+def _layout_hint(shape_seen: tuple, fits_other_layout: bool, layout: str) -> str:
+    """The hint for a shape that would fit if the input's axes were read the other way."""
+    if not fits_other_layout:
+        return ""
+    other = "bshd" if layout == "bhsd" else "bhsd"
+    order = {
+        "bhsd": "[batch, num_heads, seq_len, head_size]",
+        "bshd": "[batch, seq_len, num_heads, head_size]",
+    }
+    return (
+        f"; {shape_seen} would fit an input in {order[other]} order: if that is its order, "
+        f"pass layout={other!r}"
+    )
+
+
+def _check_positions(
+    ids, offset, cos_shape, batch: int, seq_len: int, half: int, other_seq_len=None, layout="bhsd"
+) -> str:
     """Position ids or offsets against the caches; returns the kind of positions."""
     if ids is not None and offset is not None:
         raise ValueError(
@@ -313,9 +330,17 @@ def _check_positions(ids, offset, cos_shape, batch: int, seq_len: int, half: int
                 f"{ids_dtype.name}"
             )
         if tuple(ids_shape) != (batch, seq_len):
+            hint = _layout_hint(
+                tuple(ids_shape), tuple(ids_shape) == (batch, other_seq_len), layout
+            )
+            if len(ids_shape) == 1 and ids_shape[0] == seq_len:
+                hint = (
+                    f"; for 1-D ids of one sequence pass position_ids[None, :] (batch 1) or "
+                    f"np.broadcast_to(position_ids, {(batch, seq_len)}) (every sequence)"
+                )
             raise ValueError(
                 f"position_ids must have shape [batch, seq_len] = {(batch, seq_len)}, got "
-                f"{tuple(ids_shape)}"
+                f"{tuple(ids_shape)}{hint}"
             )
         kind = "ids"
     if kind == "token":
@@ -431,16 +456,27 @@ def _check_call(
     assert cos is not None and sin is not None  # checked above
     _check_caches(cos, sin, dtype_name)
     cos_shape = tuple(cos[0])
-    kind = _check_positions(ids, offset, cos_shape, batch, seq_len, half)
+    # For 4-D input: the sequence length if its axes were read in the other layout.
+    raw_shape = tuple(inputs[0][0])  # type: ignore[index]
+    other_seq_len = shapes[0][1] if len(raw_shape) == 4 else None
+    kind = _check_positions(ids, offset, cos_shape, batch, seq_len, half, other_seq_len, layout)
     if cos_shape[-1] != half:
+        hint = ""
+        if cos_shape[-1] == rotary_dim:
+            hint = (
+                f"; these look like caches of full width [..., rotary_dim]: if their two "
+                f"halves are equal (Hugging Face's cat(freqs, freqs)), pass "
+                f"cos[..., :{half}] and sin[..., :{half}]"
+            )
         raise ValueError(
             f"the caches' last dimension must be rotary_dim/2 = {half}, got "
-            f"{cos_shape[-1]} (cache shape {cos_shape}, rotary_dim {rotary_dim})"
+            f"{cos_shape[-1]} (cache shape {cos_shape}, rotary_dim {rotary_dim}){hint}"
         )
     if kind == "token" and cos_shape[:2] != (batch, seq_len):
+        hint = _layout_hint(cos_shape, cos_shape[:2] == (batch, other_seq_len), layout)
         raise ValueError(
             f"without position_ids the caches must have shape [batch, seq_len, "
-            f"rotary_dim/2] = {(batch, seq_len, half)}, got {cos_shape}"
+            f"rotary_dim/2] = {(batch, seq_len, half)}, got {cos_shape}{hint}"
         )
     for i, out in enumerate(outs):
         _check_out(out, out_names[i], input_names[i], inputs[i][0], dtypes[i])  # type: ignore[index]

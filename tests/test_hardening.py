@@ -292,3 +292,24 @@ def test_gpu_outputs_with_overlapping_elements_are_refused(rng, gpu, kind):
             gpu.on(x), gpu.on(cos), gpu.on(sin), gpu.on(ids), out=device_out
         )
     np.testing.assert_array_equal(gpu.off(device_base), before)
+
+
+# -- errors that point the way ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("layout", "ids_shape", "caches", "fragment"),
+    [
+        ("bhsd", (2, 8), (20, 8), r"would fit an input in \[batch, seq_len, num_heads, head_size\] order: .* layout='bshd'"),
+        ("bshd", (2, 5), (20, 8), r"would fit an input in \[batch, num_heads, seq_len, head_size\] order: .* layout='bhsd'"),
+        ("bhsd", (5,), (20, 8), r"for 1-D ids of one sequence pass position_ids\[None, :\]"),
+        ("bhsd", (2, 5), (20, 16), r"full width .* pass cos\[\.\.\., :8\] and sin\[\.\.\., :8\]"),
+        ("bhsd", None, (2, 8, 8), r"would fit an input in \[batch, seq_len, num_heads, head_size\] order"),
+    ],
+)  # fmt: skip
+def test_shape_errors_say_what_would_fit(layout, ids_shape, caches, fragment):
+    x = np.zeros((2, 8, 5, 16), np.float32)  # bhsd: 8 heads, 5 tokens
+    cache = np.zeros(caches, np.float32)
+    ids = None if ids_shape is None else np.zeros(ids_shape, np.int64)
+    with pytest.raises(ValueError, match=fragment):
+        numba_rope.rotary_embedding(x, cache, cache, ids, layout=layout)
