@@ -429,7 +429,9 @@ def rope_cache(
     function has no ``config.max_position_embeddings`` to derive it from.
 
     Accuracy and reproducibility: the caches are the same bits on every machine (any
-    CPU, with or without AVX-512, x86 or ARM, any OS, any NumPy). Each step of the
+    CPU, with or without AVX-512, x86 or ARM, any OS, any NumPy; measured on x86-64, and
+    on other machines a consequence of using IEEE operations only, without fast-math
+    or FMA contraction). Each step of the
     formulas is a float64 operation rounded to nearest: ``+ - * /`` by IEEE 754, the
     powers and logarithms of the frequency formulas through the ``decimal`` module (40
     digits, then one rounding), and the angle ``p * inv_freq[i]`` a float64 product.
