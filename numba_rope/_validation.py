@@ -173,12 +173,13 @@ def kernel_offset(offset: int, seq_len: int, n_positions: int, checked: bool = T
     if not seq_len:
         return 0
     in_range = 0 <= offset <= n_positions - seq_len
-    if not in_range and (checked or not _INT64_MIN <= offset <= _INT64_MAX - seq_len):
+    if not in_range and (checked or not INT64_MIN <= offset <= INT64_MAX - seq_len):
         raise offset_error(None, offset, seq_len, n_positions)
     return offset
 
 
-_INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
+#: The integers the kernels take positions in.
+INT64_MIN, INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 
 
 def check_flag(value: Any, name: str) -> bool:

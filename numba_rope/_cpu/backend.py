@@ -38,6 +38,8 @@ from numba_rope._cpu.vector import STREAM_ALIGNMENT
 from numba_rope._geometry import bhsd_array, bhsd_steps, elements_distinct
 from numba_rope._jit import parallel_regions_usable, require_jit
 from numba_rope._validation import (
+    INT64_MAX,
+    INT64_MIN,
     Call,
     kernel_offset,
     offset_error,
@@ -51,7 +53,6 @@ name = "cpu"
 #: converted to int64 first.
 _KERNEL_ID_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))
 
-_INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 
 #: ``in_place`` flag of each tensor of a call, by its place.
 _IN_PLACE_FLAGS = (FIRST_IN_PLACE, SECOND_IN_PLACE)
@@ -152,8 +153,8 @@ def _kernel_positions(call: Call, position_ids: Any, position_offset: Any) -> An
         return np.int64(kernel_offset(int(position_offset), call.seq_len, call.n_positions))
     if kind == "offsets":
         offsets = np.asarray(position_offset)
-        if offsets.dtype == np.uint64 and offsets.size and offsets.max() > _INT64_MAX:
-            b = int(np.argmax(offsets > _INT64_MAX))
+        if offsets.dtype == np.uint64 and offsets.size and offsets.max() > INT64_MAX:
+            b = int(np.argmax(offsets > INT64_MAX))
             raise offset_error(b, int(offsets[b]), call.seq_len, call.n_positions)
         return offsets.astype(np.int64)
     return None
@@ -503,7 +504,7 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
         if size >= config.PARALLEL_MIN_ELEMENTS or nbytes >= config.STREAMING_MIN_BYTES:
             return None
         if offset is not None:
-            if not _INT64_MIN <= offset <= _INT64_MAX:
+            if not INT64_MIN <= offset <= INT64_MAX:
                 return None
             position_ids = offset  # the kernels take one offset as is
         in_place = out is x
