@@ -212,13 +212,25 @@ def test_default_threshold_routes_small_serial_and_large_parallel(rng, monkeypat
 @pytest.mark.parametrize("start", [0, 1], ids=["even", "odd"])
 @pytest.mark.parametrize(
     ("head_size", "rotary_dim"),
-    [(8, 8), (9, 8), (7, 6), (13, 10), (34, 34), (40, 2), (80, 72), (130, 128)],
+    [
+        (8, 8),
+        (9, 8),
+        (7, 6),
+        (13, 10),
+        (34, 34),
+        (40, 2),
+        (80, 72),
+        (130, 128),
+        (50, 48),
+        (120, 112),
+    ],
 )
 def test_bfloat16_two_per_word_at_any_alignment(rng, head_size, rotary_dim, start, interleaved):
-    # bfloat16 rows go two elements per 32-bit word, 16 pairs (8 interleaved) a step,
-    # the rest element by element: rows starting between words (``start`` 1, odd head
-    # sizes), pairs left over (half 3, 5, 17, 36), channels past rotary_dim, in place,
-    # caches starting between words too.
+    # bfloat16 rows go two elements per 32-bit word, 32 pairs (16 interleaved) a step,
+    # then at most one step of 16 (8), the rest element by element: rows starting
+    # between words (``start`` 1, odd head sizes), pairs left over (half 3, 5, 17, 36,
+    # 24 = 16 + 8, 56 = 32 + 16 + 8 or 3 x 16 + 8), channels past rotary_dim, in
+    # place, caches starting between words too.
     shape = (2, 3, 5, head_size)
     half = rotary_dim // 2
     buffer = rng.standard_normal((2, 3, 5, head_size + 2)).astype(BFLOAT16)

@@ -50,18 +50,19 @@ def _streamed(requested):
 @pytest.mark.parametrize("dtype", STREAMED, ids=[d.name for d in STREAMED])
 @pytest.mark.parametrize(
     ("head_size", "rotary_dim"),
-    [(128, 128), (96, 48), (40, 24), (32, 16), (60, 48)],
-    ids=["full", "partial", "half-12", "half-8", "copy-12"],
+    [(128, 128), (96, 48), (40, 24), (32, 16), (60, 48), (176, 176), (104, 80), (56, 56)],
+    ids=["full", "partial", "half-12", "half-8", "copy-12", "half-88", "half-40", "half-28"],
 )
 def test_streamed_rows_give_the_contract_bits(
     rng, stream_always, dtype, head_size, rotary_dim, interleaved
 ):
-    # Pairs 8 at a time with non-temporal stores and those left over (half 12: 8 + 4)
-    # through the element loop; the channels past rotary_dim 8 at a time too, the rest
-    # (40 - 24 = 16 + 0, 96 - 48 = 48 + 0, float32: 32 - 16 = 16 + 0) element by
-    # element, or 60 - 48 = 8 + 4. 16-bit rows with half 12 have their second half 24
-    # bytes in (without interleaving), and 16-bit rows of 60 elements are 120 bytes
-    # apart: those take the element loops.
+    # Pairs 16 at a time with non-temporal stores, then at most one step of 8, and
+    # those left over through the element loop (half 64 = 4 x 16; 88 = 5 x 16 + 8;
+    # 40 = 2 x 16 + 8; 28 = 16 + 8 + 4; 24 = 16 + 8; 12 = 8 + 4; 8 = 8; bfloat16 words
+    # without interleaving take 32 pairs, then 16); the channels past rotary_dim the
+    # same way (104 - 80 = 16 + 8; 60 - 48 = 8 + 4). 16-bit rows with half 12 have
+    # their second half 24 bytes in (without interleaving), and 16-bit rows of 60 or
+    # 56 elements are 120 or 112 bytes apart: those take the element loops.
     _check_streamed_rows(rng, stream_always, dtype, head_size, rotary_dim, interleaved)
 
 

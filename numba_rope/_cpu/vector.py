@@ -66,8 +66,17 @@ def row(typingctx, array, byte_offset, length):
     return row_type(array, byte_offset, length), codegen
 
 
-#: Pairs per step of the streaming loops; their stores need 16-byte alignment.
-STREAM_WIDTH = 8
+#: Elements (or 32-bit words) per step of the vector loops, widest first: 16 float32
+#: lanes, AVX-512's width and one 64-byte cache line, then at most one step of 8 for
+#: what is left. The width is not the host's: LLVM splits each vector into the registers
+#: of the target it compiles for (one zmm, two ymm, four xmm or NEON registers), so
+#: every x86 target gets its full width from the same code, and the bits do not depend
+#: on the split (each lane is computed alone). ``tests/test_targets.py`` checks what
+#: haswell, skylake-avx512 and znver4 get.
+VECTOR_WIDTHS = (16, 8)
+#: Non-temporal stores need their output rows on this many bytes (NumPy's allocation
+#: guarantees 16); LLVM splits a wider vector's non-temporal store into aligned 16-byte
+#: ones.
 STREAM_ALIGNMENT = 16
 
 #: Storage types the streaming loops take (float32 and the 16-bit formats).
@@ -78,20 +87,20 @@ _LANE = ir.IntType(32)
 
 class _Stream:
     """LLVM code shared by the vector intrinsics (streaming and bfloat16 words): vectors
-    of :data:`STREAM_WIDTH` (or twice that) elements or words loaded from rows, and
-    stores into them, non-temporal ones for streaming."""
+    of ``lanes`` elements or words loaded from rows, and stores into them,
+    non-temporal ones for streaming, in loops of :data:`VECTOR_WIDTHS`."""
 
     def __init__(self, context, builder):
         self.builder = builder
         self.intp = context.get_value_type(types.intp)
         self.nontemporal = builder.module.add_metadata([ir.Constant(_LANE, 1)])
 
-    def pointer(self, array, index, lanes):
-        element = array.data.type.pointee
+    def pointer(self, array, index, lanes, element=None):
+        element = array.data.type.pointee if element is None else element
         pointer = self.builder.gep(array.data, [index])
         return self.builder.bitcast(pointer, ir.VectorType(element, lanes).as_pointer())
 
-    def load(self, array, index, numba_type, lanes=STREAM_WIDTH):
+    def load(self, array, index, numba_type, lanes):
         loaded = self.builder.load(
             self.pointer(array, index, lanes), align=numba_type.bitwidth // 8
         )
@@ -104,29 +113,26 @@ class _Stream:
         stored.align = STREAM_ALIGNMENT
         stored.set_metadata("nontemporal", self.nontemporal)
 
-    def store(self, value, array, index, numba_type, lanes=STREAM_WIDTH):
+    def store(self, value, array, index, numba_type, lanes):
         """``value`` narrowed to ``numba_type``, stored non-temporally at ``index``."""
         narrowed = narrow_code(self.builder, numba_type, value)
         self.nontemporal_store(narrowed, self.pointer(array, index, lanes))
 
-    def word_pointer(self, array, index):
-        """:data:`STREAM_WIDTH` 32-bit words of 16-bit storage from element ``index``."""
-        pointer = self.builder.gep(array.data, [index])
-        return self.builder.bitcast(pointer, ir.VectorType(_LANE, STREAM_WIDTH).as_pointer())
+    def load_words(self, array, index, lanes):
+        """``lanes`` 32-bit words of 16-bit storage from element ``index``."""
+        return self.builder.load(self.pointer(array, index, lanes, _LANE), align=2)
 
-    def load_words(self, array, index):
-        return self.builder.load(self.word_pointer(array, index), align=2)
-
-    def store_words(self, words, array, index, nontemporal):
+    def store_words(self, words, array, index, lanes, nontemporal):
         """An ordinary store, or a non-temporal one (:meth:`nontemporal_store`)."""
+        pointer = self.pointer(array, index, lanes, _LANE)
         if nontemporal:
-            self.nontemporal_store(words, self.word_pointer(array, index))
+            self.nontemporal_store(words, pointer)
         else:
-            self.builder.store(words, self.word_pointer(array, index)).align = 2
+            self.builder.store(words, pointer).align = 2
 
-    def splat(self, value):
-        vector = ir.Constant(ir.VectorType(value.type, STREAM_WIDTH), ir.Undefined)
-        for lane in range(STREAM_WIDTH):
+    def splat(self, value, lanes):
+        vector = ir.Constant(ir.VectorType(value.type, lanes), ir.Undefined)
+        for lane in range(lanes):
             vector = self.builder.insert_element(vector, value, ir.Constant(_LANE, lane))
         return vector
 
@@ -134,21 +140,27 @@ class _Stream:
         mask = ir.Constant(ir.VectorType(_LANE, len(lanes)), lanes)
         return self.builder.shuffle_vector(first, second, mask)
 
-    def loop(self, start, count, step):
-        """``for_range_slice`` over ``[start, start + count)`` by ``step``."""
-        end = self.builder.add(start, count)
-        return cgutils.for_range_slice(
-            self.builder, start, end, ir.Constant(self.intp, step), self.intp
-        )
-
-    def steps(self, length):
-        """``length`` rounded down to a multiple of :data:`STREAM_WIDTH`."""
-        return self.builder.and_(length, ir.Constant(self.intp, -STREAM_WIDTH))
+    def steps(self, start, length, body, scale=1):
+        """Loops over ``[start, start + n)``, ``n`` = ``length`` rounded down to a
+        multiple of ``scale * 8``: ``body(index, lanes)`` for each step of
+        ``scale * lanes`` units, ``lanes`` from :data:`VECTOR_WIDTHS` widest first
+        (the narrower loops run at most once). Returns ``start + n``."""
+        builder = self.builder
+        done = start
+        for lanes in VECTOR_WIDTHS:
+            step = scale * lanes
+            stop = builder.add(start, builder.and_(length, ir.Constant(self.intp, -step)))
+            with cgutils.for_range_slice(
+                builder, done, stop, ir.Constant(self.intp, step), self.intp
+            ) as (index, _):
+                body(index, lanes)
+            done = stop
+        return done
 
     def rotate(self, x1, x2, cos, sin, sign):
         """``rotate_pair`` on vectors: one rounding per operation, no contraction."""
         builder = self.builder
-        sin = builder.fmul(sin, self.splat(sign))
+        sin = builder.fmul(sin, self.splat(sign, x1.type.count))
         return (
             builder.fsub(builder.fmul(x1, cos), builder.fmul(x2, sin)),
             builder.fadd(builder.fmul(x2, cos), builder.fmul(x1, sin)),
@@ -182,7 +194,7 @@ def _stream_arguments(context, builder, signature, args):
 def _stream_pairs(x_row, cos_row, sin_row, out_row, half, sign):
     """Typing of a :func:`vector_pairs` step: rotate the first ``n`` pairs of a row of
     ``half`` non-interleaved pairs, ``n`` = ``half`` rounded down to a multiple of
-    :data:`STREAM_WIDTH`, and return ``n``.
+    8, and return ``n``; steps of :data:`VECTOR_WIDTHS` pairs.
 
     Written in LLVM vectors so that the stores can be non-temporal: the output goes to
     memory without first being read into the cache (a third of the memory traffic of
@@ -200,33 +212,41 @@ def _stream_pairs(x_row, cos_row, sin_row, out_row, half, sign):
             context, builder, signature, args
         )
         stream = _Stream(context, builder)
-        count = stream.steps(half)
-        with stream.loop(ir.Constant(stream.intp, 0), count, STREAM_WIDTH) as (first, _):
+
+        def step(first, lanes):
             second = builder.add(first, half)
             y1, y2 = stream.rotate(
-                stream.load(x, first, x_type),
-                stream.load(x, second, x_type),
-                stream.load(cos, first, cache_type),
-                stream.load(sin, first, cache_type),
+                stream.load(x, first, x_type, lanes),
+                stream.load(x, second, x_type, lanes),
+                stream.load(cos, first, cache_type, lanes),
+                stream.load(sin, first, cache_type, lanes),
                 sign,
             )
-            stream.store(y1, out, first, x_type)
-            stream.store(y2, out, second, x_type)
-        return count
+            stream.store(y1, out, first, x_type, lanes)
+            stream.store(y2, out, second, x_type, lanes)
+
+        return stream.steps(ir.Constant(stream.intp, 0), half, step)
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
 
 
-#: Lanes of a vector of 2 x STREAM_WIDTH interleaved elements: the first and the
-#: second of each pair, and back.
-_FIRSTS = list(range(0, 2 * STREAM_WIDTH, 2))
-_SECONDS = list(range(1, 2 * STREAM_WIDTH, 2))
-_INTERLEAVED = [lane for pair in range(STREAM_WIDTH) for lane in (pair, pair + STREAM_WIDTH)]
+def _firsts(pairs):
+    """Lanes of a vector of ``pairs`` interleaved pairs that hold their first elements."""
+    return list(range(0, 2 * pairs, 2))
+
+
+def _seconds(pairs):
+    return list(range(1, 2 * pairs, 2))
+
+
+def _interleaved(pairs):
+    """Lanes of firsts then seconds (two vectors of ``pairs``) merged back into pairs."""
+    return [lane for pair in range(pairs) for lane in (pair, pair + pairs)]
 
 
 def _stream_interleaved_pairs(x_row, cos_row, sin_row, out_row, half, sign):
     """:func:`_stream_pairs` for interleaved pairs (the output row must start on
-    :data:`STREAM_ALIGNMENT` bytes): :data:`STREAM_WIDTH` pairs are loaded as one
+    :data:`STREAM_ALIGNMENT` bytes): the pairs of a step are loaded as one
     vector, split into firsts and seconds, and merged back after the rotation."""
     if not _stream_typing(x_row, cos_row, sin_row, out_row):
         return None
@@ -236,20 +256,21 @@ def _stream_interleaved_pairs(x_row, cos_row, sin_row, out_row, half, sign):
             context, builder, signature, args
         )
         stream = _Stream(context, builder)
-        count = stream.steps(half)
-        lanes = 2 * STREAM_WIDTH
-        with stream.loop(ir.Constant(stream.intp, 0), count, STREAM_WIDTH) as (pair, _):
+
+        def step(pair, lanes):
             element = builder.add(pair, pair)
-            pairs = stream.load(x, element, x_type, lanes)
+            pairs = stream.load(x, element, x_type, 2 * lanes)
             y1, y2 = stream.rotate(
-                stream.shuffle(pairs, pairs, _FIRSTS),
-                stream.shuffle(pairs, pairs, _SECONDS),
-                stream.load(cos, pair, cache_type),
-                stream.load(sin, pair, cache_type),
+                stream.shuffle(pairs, pairs, _firsts(lanes)),
+                stream.shuffle(pairs, pairs, _seconds(lanes)),
+                stream.load(cos, pair, cache_type, lanes),
+                stream.load(sin, pair, cache_type, lanes),
                 sign,
             )
-            stream.store(stream.shuffle(y1, y2, _INTERLEAVED), out, element, x_type, lanes)
-        return count
+            merged = stream.shuffle(y1, y2, _interleaved(lanes))
+            stream.store(merged, out, element, x_type, 2 * lanes)
+
+        return stream.steps(ir.Constant(stream.intp, 0), half, step)
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
 
@@ -257,8 +278,8 @@ def _stream_interleaved_pairs(x_row, cos_row, sin_row, out_row, half, sign):
 def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     """Rotate the first ``n`` pairs of a row of bfloat16 (caches included), ``half``
     non-interleaved pairs, two elements per 32-bit word (see
-    :mod:`numba_rope._conversions`), and return ``n``: ``2 * STREAM_WIDTH`` pairs a
-    step, ordinary stores. The same arithmetic per element as the element loop, a
+    :mod:`numba_rope._conversions`), and return ``n``: twice
+    :data:`VECTOR_WIDTHS` pairs a step, ordinary stores. The same arithmetic per element as the element loop, a
     quarter fewer instructions. Written in LLVM vectors rather than as a numba loop:
     numba inlines every branch of :func:`numba_rope._cpu.kernels.rotate_row` before dropping the dead ones,
     and this code would cost every kernel's compilation, bfloat16 or not."""
@@ -268,13 +289,11 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
     def codegen(context, builder, signature, args):
         (x, cos, sin, out), _, _, half, sign = _stream_arguments(context, builder, signature, args)
         stream = _Stream(context, builder)
-        words = stream.steps(builder.sdiv(half, ir.Constant(stream.intp, 2)))
-        count = builder.add(words, words)  # pairs, 2 per word
-        step = 2 * STREAM_WIDTH
-        with stream.loop(ir.Constant(stream.intp, 0), count, step) as (first, _):
+
+        def step(first, lanes):  # lanes words, 2 * lanes pairs
             second = builder.add(first, half)
-            a, b = stream.load_words(x, first), stream.load_words(x, second)
-            c, s = stream.load_words(cos, first), stream.load_words(sin, first)
+            a, b = stream.load_words(x, first, lanes), stream.load_words(x, second, lanes)
+            c, s = stream.load_words(cos, first, lanes), stream.load_words(sin, first, lanes)
             y1_low, y2_low = stream.rotate(
                 *(bfloat16_low_code(builder, w) for w in (a, b, c, s)), sign
             )
@@ -282,17 +301,18 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
                 *(bfloat16_high_code(builder, w) for w in (a, b, c, s)), sign
             )
             y1 = bfloat16_pair_code(builder, y1_low, y1_high)
-            stream.store_words(y1, out, first, nontemporal)
+            stream.store_words(y1, out, first, lanes, nontemporal)
             y2 = bfloat16_pair_code(builder, y2_low, y2_high)
-            stream.store_words(y2, out, second, nontemporal)
-        return count
+            stream.store_words(y2, out, second, lanes, nontemporal)
+
+        return stream.steps(ir.Constant(stream.intp, 0), half, step, scale=2)
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
 
 
 def _word_interleaved_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     """:func:`_word_pairs_typing` for interleaved pairs: word ``i`` of a row holds pair ``i``
-    (``x1`` low, ``x2`` high), in and out; :data:`STREAM_WIDTH` pairs a step."""
+    (``x1`` low, ``x2`` high), in and out; :data:`VECTOR_WIDTHS` pairs a step."""
     if not _word_typing(x_row, cos_row, sin_row, out_row):
         return None
 
@@ -301,19 +321,21 @@ def _word_interleaved_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row
             context, builder, signature, args
         )
         stream = _Stream(context, builder)
-        count = stream.steps(half)
-        with stream.loop(ir.Constant(stream.intp, 0), count, STREAM_WIDTH) as (pair, _):
+
+        def step(pair, lanes):
             element = builder.add(pair, pair)
-            pairs = stream.load_words(x, element)
+            pairs = stream.load_words(x, element, lanes)
             y1, y2 = stream.rotate(
                 bfloat16_low_code(builder, pairs),
                 bfloat16_high_code(builder, pairs),
-                stream.load(cos, pair, cache_type),
-                stream.load(sin, pair, cache_type),
+                stream.load(cos, pair, cache_type, lanes),
+                stream.load(sin, pair, cache_type, lanes),
                 sign,
             )
-            stream.store_words(bfloat16_pair_code(builder, y1, y2), out, element, nontemporal)
-        return count
+            merged = bfloat16_pair_code(builder, y1, y2)
+            stream.store_words(merged, out, element, lanes, nontemporal)
+
+        return stream.steps(ir.Constant(stream.intp, 0), half, step)
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
 
@@ -394,7 +416,7 @@ def store_fence(typingctx):
 @intrinsic(prefer_literal=True)
 def stream_copy(typingctx, x_row, out_row, start, end, streaming):
     """With ``streaming`` (a constant): copy elements ``[start, m)`` of a row with
-    non-temporal stores, ``m - start`` the largest multiple of :data:`STREAM_WIDTH` up
+    non-temporal stores, ``m - start`` the largest multiple of 8 up
     to ``end``, and return ``m`` (the channels past ``rotary_dim``; element ``start``
     of the output must be on :data:`STREAM_ALIGNMENT` bytes). Without: return
     ``start``, copying nothing."""
@@ -414,10 +436,11 @@ def stream_copy(typingctx, x_row, out_row, start, end, streaming):
         start = context.cast(builder, args[2], signature.args[2], types.intp)
         end = context.cast(builder, args[3], signature.args[3], types.intp)
         stream = _Stream(context, builder)
-        count = stream.steps(builder.sub(end, start))
-        with stream.loop(start, count, STREAM_WIDTH) as (index, _):
-            loaded = builder.load(stream.pointer(x, index, STREAM_WIDTH), align=1)
-            stream.nontemporal_store(loaded, stream.pointer(out, index, STREAM_WIDTH))
-        return builder.add(start, count)
+
+        def step(index, lanes):
+            loaded = builder.load(stream.pointer(x, index, lanes), align=1)
+            stream.nontemporal_store(loaded, stream.pointer(out, index, lanes))
+
+        return stream.steps(start, builder.sub(end, start), step)
 
     return signature, codegen
