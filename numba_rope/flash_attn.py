@@ -163,8 +163,8 @@ def apply_rotary(
         )
     _require_dims(x, 4, "x", "[batch, seqlen, nheads, headdim]", varlen_hint=True)
     rotary_dim = _rotary_dim(x, cos, sin)
-    batch, seqlen = x.shape[0], x.shape[1]
-    offset = _checked_offsets(seqlen_offsets, batch, np.full(batch, seqlen), cos.shape[0])
+    batch, seqlen = tuple(x.shape)[:2]
+    offset = _checked_offsets(seqlen_offsets, batch, np.full(batch, seqlen), _rows(cos))
     result = rotary_embedding(
         x,
         cos,
@@ -239,7 +239,7 @@ def apply_rotary_emb_qkv_(
     rotary_dim_k = _rotary_dim(k, cos_k, sin_k, "cos_k", "sin_k")
     batch, seqlen = shape[0], shape[1]
     offset = _checked_offsets(
-        seqlen_offsets, batch, np.full(batch, seqlen), min(cos.shape[0], cos_k.shape[0])
+        seqlen_offsets, batch, np.full(batch, seqlen), min(_rows(cos), _rows(cos_k))
     )
     options = {
         "position_offset": offset,
@@ -297,6 +297,11 @@ def _require_dims(array: Any, ndim: int, name: str, form: str, varlen_hint: bool
     raise ValueError(f"{name} must be {form}, got shape {shape} ({len(shape)}-D){hint}")
 
 
+def _rows(cos: Any) -> int:
+    """``seqlen_ro``: the rows of a cache."""
+    return int(cos.shape[0])
+
+
 def _rotary_dim(x: Any, cos: Any, sin: Any, cos_name: str = "cos", sin_name: str = "sin") -> int:
     """``2 * cos.shape[-1]``, checked against ``sin`` and the head size of ``x``."""
     cos_shape, sin_shape = tuple(cos.shape), tuple(sin.shape)
@@ -310,7 +315,8 @@ def _rotary_dim(x: Any, cos: Any, sin: Any, cos_name: str = "cos", sin_name: str
         raise ValueError(
             f"{sin_name} must have the shape of {cos_name}, {cos_shape}; got {sin_shape}"
         )
-    head_size = x.shape[-1]
+    # A tuple: the CUDA simulator's shapes do not index from the end.
+    head_size = tuple(x.shape)[-1]
     rotary_dim = 2 * cos_shape[1]
     if rotary_dim == 0 or rotary_dim > head_size:
         raise ValueError(
@@ -439,11 +445,11 @@ def _varlen(
     host and moved to where ``x`` lives."""
     _require_dims(x, 3, "x with cu_seqlens", "[total_seqlen, nheads, headdim]", True)
     rotary_dim = _rotary_dim(x, cos, sin)
-    total = x.shape[0]
+    total = int(x.shape[0])
     cu = _checked_cu_seqlens(cu_seqlens, total, max_seqlen)
     lengths = np.diff(cu)
     batch = lengths.size
-    _checked_offsets(seqlen_offsets, batch, lengths, cos.shape[0])
+    _checked_offsets(seqlen_offsets, batch, lengths, _rows(cos))
     if isinstance(seqlen_offsets, (int, np.integer)):
         offsets = np.full(batch, int(seqlen_offsets), dtype=np.int64)
     else:

@@ -287,6 +287,21 @@ def _tokens(
     return (add_leading_axis(array) if lead == 1 else array), num_heads
 
 
+def _check_positions(positions: np.ndarray, rows: int) -> None:
+    """Every position a row of the cache, named as the caller indexes ``positions``."""
+    if positions.dtype.kind not in "iu" or positions.size == 0:
+        return  # the operator refuses non-integer positions with its own TypeError
+    flat = positions.reshape(-1)
+    bad = np.flatnonzero((flat < 0) | (flat >= rows))
+    if bad.size:
+        where = ", ".join(str(int(i)) for i in np.unravel_index(int(bad[0]), positions.shape))
+        raise IndexError(
+            f"positions[{where}] = {flat[bad[0]]} is outside cos_sin_cache, which has {rows} "
+            f"rows: positions must lie in [0, {rows - 1}]; build a longer cache "
+            f"(numba_rope.vllm.make_cos_sin_cache(max_position, rotary_dim))"
+        )
+
+
 def _rotate(
     positions: Any,
     query: Any,
@@ -316,6 +331,8 @@ def _rotate(
         )
     lead = len(positions_shape)
     q, num_heads = _tokens("query", query, positions_shape, head_size)
+    if isinstance(positions, np.ndarray):  # on the GPU the operator's check names ids[0, t]
+        _check_positions(positions, int(cos_sin_cache.shape[0]))
     ids = add_leading_axis(positions) if lead == 1 else positions
     options: dict[str, Any] = {
         "interleaved": not is_neox,

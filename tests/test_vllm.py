@@ -280,8 +280,9 @@ def test_make_cos_sin_cache_is_cos_then_sin():
         ),
         ({"key": np.zeros((4, 12), np.float32)}, ValueError, ["key's last axis (12)"]),
         ({"is_neox": 1}, TypeError, ["bool"]),
-        ({"positions": np.array([0, 1, 16, 2])}, IndexError, ["16", "16 rows"]),
-        ({"positions": np.array([0, -1, 2, 3])}, IndexError, ["-1"]),
+        ({"positions": np.array([0, 1, 16, 2])}, IndexError, ["positions[2] = 16", "16 rows"]),
+        ({"positions": np.array([0, -1, 2, 3])}, IndexError, ["positions[1] = -1", "[0, 15]"]),
+        ({"positions": np.array([0.0, 1.0, 2.0, 3.0])}, TypeError, ["position_ids"]),
     ],
 )
 def test_bad_forms_raise_and_write_nothing(rng, change, error, words):
@@ -308,6 +309,31 @@ def test_bad_forms_raise_and_write_nothing(rng, change, error, words):
         assert word in str(raised.value)
     assert_bitwise_equal(args["query"], before[0])
     assert_bitwise_equal(args["key"], before[1])
+
+
+@pytest.mark.gpu
+def test_out_of_range_positions_on_the_gpu_raise_too(gpu):
+    """GPU positions are checked by the operator's own check (one read-back)."""
+    query = gpu.on(np.ones((4, 8), np.float32))
+    with pytest.raises(IndexError, match="16"):
+        vllm.rotary_embedding(
+            gpu.on(np.array([0, 1, 16, 2])),
+            query,
+            None,
+            8,
+            gpu.on(make_cache(16, 8, np.float32)),
+            True,
+        )
+    assert (gpu.off(query) == 1).all()
+
+
+def test_2d_positions_out_of_range_name_their_place():
+    positions = np.zeros((2, 3), np.int64)
+    positions[1, 2] = 99
+    with pytest.raises(IndexError, match=r"positions\[1, 2\] = 99"):
+        vllm.forward_native(
+            positions, np.ones((2, 3, 8), np.float32), None, 8, make_cache(16, 8, np.float32), True
+        )
 
 
 def test_module_refuses_a_rotary_dim_beyond_the_head():
