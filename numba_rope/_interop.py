@@ -1,0 +1,111 @@
+"""What the drop-ins for other libraries' call forms (:mod:`numba_rope.vllm`,
+:mod:`numba_rope.flash_attn`) need from the caller's arrays, for every kind of array
+numba_rope accepts, without importing a library the caller did not use:
+
+* :func:`add_leading_axis`: ``array[None]`` as a view (never a copy: results are
+  written through it in place);
+* :func:`to_host`: a small integer array (``cu_seqlens``, offsets) read as NumPy;
+* :func:`like`: a NumPy array moved to where another array lives, as that array's
+  library would hold it (NumPy, torch, CuPy, or a Numba device array).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def _module(array: Any) -> str:
+    return type(array).__module__ or ""
+
+
+def _is_torch(array: Any) -> bool:
+    module = _module(array)
+    return module == "torch" or module.startswith("torch.")
+
+
+def _is_cupy(array: Any) -> bool:
+    return _module(array).startswith("cupy")
+
+
+def add_leading_axis(array: Any) -> Any:
+    """``array[None]``: a view with a new leading axis of length 1.
+
+    NumPy, torch, CuPy and the CUDA simulator's arrays index with ``None``; Numba's
+    device arrays do not, so their view is made over the same device memory (another
+    ``__cuda_array_interface__`` exporter is first seen through Numba, without a copy).
+
+    >>> import numpy as np
+    >>> x = np.arange(6.0).reshape(2, 3)[:, :2]
+    >>> view = add_leading_axis(x)
+    >>> view.shape, bool(np.shares_memory(view, x))
+    ((1, 2, 2), True)
+    """
+    try:
+        return array[None]
+    except (TypeError, IndexError):  # numba's DeviceNDArray: no None in its indexing
+        pass
+    from numba import cuda  # pragma: no cover - real Numba device arrays (needs a GPU)
+
+    if not hasattr(array, "gpu_data"):  # pragma: no cover
+        array = cuda.as_cuda_array(array)
+    # The new axis has length 1: its stride is never stepped; the array's extent is a
+    # stride that no overlap test can mistake for elements sharing memory.
+    extent = max(array.dtype.itemsize, array.size * array.dtype.itemsize)  # pragma: no cover
+    return type(array)(  # pragma: no cover
+        shape=(1, *array.shape),
+        strides=(extent, *array.strides),
+        dtype=array.dtype,
+        stream=array.stream,
+        gpu_data=array.gpu_data,
+    )
+
+
+def to_host(array: Any) -> np.ndarray:
+    """``array`` as a NumPy array (a copy to the host for GPU arrays: the call waits for
+    the GPU's work on it). Python ints, lists and NumPy scalars pass through
+    ``numpy.asarray``.
+
+    >>> to_host([0, 3, 5])
+    array([0, 3, 5])
+    """
+    if isinstance(array, np.ndarray):
+        return array
+    if _is_torch(array):
+        return array.detach().cpu().numpy()
+    if _is_cupy(array):  # pragma: no cover - needs CuPy and a GPU
+        return array.get()
+    if hasattr(array, "copy_to_host"):  # Numba device arrays, real or simulated
+        return array.copy_to_host()
+    if hasattr(type(array), "__cuda_array_interface__"):  # pragma: no cover - needs a GPU
+        from numba import cuda
+
+        return cuda.as_cuda_array(array).copy_to_host()
+    return np.asarray(array)
+
+
+def like(host: np.ndarray, reference: Any) -> Any:
+    """``host`` where ``reference`` lives, of ``reference``'s library: NumPy as it is,
+    a torch tensor on ``reference.device``, a CuPy array on ``reference``'s GPU, else a
+    Numba device array (on the current CUDA context).
+
+    >>> import numpy as np
+    >>> ids = np.arange(3)
+    >>> like(ids, np.zeros(2)) is ids  # NumPy stays NumPy
+    True
+    """
+    if isinstance(reference, np.ndarray):
+        return host
+    if _is_torch(reference):
+        import torch
+
+        return torch.as_tensor(host, device=reference.device)
+    if _is_cupy(reference):  # pragma: no cover - needs CuPy and a GPU
+        import cupy
+
+        with cupy.cuda.Device(reference.device.id):
+            return cupy.asarray(host)
+    from numba import cuda
+
+    return cuda.to_device(np.ascontiguousarray(host))
