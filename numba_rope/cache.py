@@ -742,7 +742,10 @@ def rope_cache(
         ``partial_rotary_factor``, ``head_dim`` (else ``hidden_size //
         num_attention_heads``), ``max_position_embeddings`` and
         ``original_max_position_embeddings`` (Phi-3 keeps it outside the dict; it then
-        wins, as in transformers). transformers is not imported.
+        wins, as in transformers). transformers is not imported. A dict is read as its
+        keys say: fields a config class derives in Python (DeepSeek-V3's ``head_dim =
+        qk_rope_head_dim``) are in ``config.to_dict()`` but not in ``config.json``; pass
+        the config object, ``to_dict()``, or ``head_dim=``.
     rope_parameters : dict, optional
         transformers' rope parameters as they are (``rope_type`` or ``type``,
         ``rope_theta``, ``partial_rotary_factor``, ``factor``, ...), instead of the
