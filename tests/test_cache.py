@@ -160,14 +160,14 @@ ERRORS = {
     "scaling string": ({"scaling": "linear"}, TypeError, ["scaling", "dict", "str"]),
     # rope types
     "unknown type": (
-        {"scaling": {"rope_type": "longrope", "factor": 2.0}},
+        {"scaling": {"rope_type": "proportional", "factor": 2.0}},
         ValueError,
-        ["longrope", "'default', 'linear', 'dynamic', 'yarn', 'llama3'"],
+        ["proportional", "'default', 'linear', 'dynamic', 'yarn', 'longrope', 'llama3'"],
     ),
     "type not a string": (
         {"scaling": {"rope_type": 3}},
         ValueError,
-        ["3", "'default', 'linear', 'dynamic', 'yarn', 'llama3'"],
+        ["3", "'default', 'linear', 'dynamic', 'yarn', 'longrope', 'llama3'"],
     ),
     "no type": (
         {"scaling": {"factor": 2.0}},
