@@ -148,7 +148,7 @@ def apply_rotary_pos_emb(
     if _is_torch(q):
         import torch
 
-        import numba_rope.torch  # registers the ops
+        import numba_rope.torch  # noqa: F401 - registers the ops
 
         if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
             raise NotImplementedError(

@@ -92,7 +92,9 @@ def test_cpu_tensors_match_the_reference_bit_for_bit(rng, dtype_name, options):
     assert isinstance(got, torch.Tensor) and got.dtype == getattr(torch, dtype_name)
     assert got.is_contiguous() and tuple(got.shape) == x.shape
     expected = reference.rotary_embedding(x, cos, sin, precision="contract", **numpy_options)
-    np.testing.assert_array_equal(host(got).view(f"u{dtype.itemsize}"), expected.view(f"u{dtype.itemsize}"))
+    np.testing.assert_array_equal(
+        host(got).view(f"u{dtype.itemsize}"), expected.view(f"u{dtype.itemsize}")
+    )
 
 
 def test_float32_contract_oracle_agrees(rng):
@@ -142,7 +144,9 @@ def test_out_and_in_place(rng, monkeypatch, dtype_name):
     out = torch.zeros(x.shape, dtype=getattr(torch, dtype_name))
     pointer, version = out.data_ptr(), out._version
     seen = _capture_backend_run(monkeypatch)
-    got = numba_rope.rotary_embedding(tensor(x), tensor(cos), tensor(sin), position_offset=4, out=out)
+    got = numba_rope.rotary_embedding(
+        tensor(x), tensor(cos), tensor(sin), position_offset=4, out=out
+    )
     assert got is out and out.data_ptr() == pointer
     assert seen["outs"][0].ctypes.data == pointer  # written through a view, not copied back
     assert out._version > version  # as an in-place torch operation would count it
@@ -193,7 +197,9 @@ def test_strided_views_and_fused_qkv_in_place(rng):
     x = rng.standard_normal((2, 3, 5, 8)).astype(np.float32)
     tx = torch.from_numpy(x).transpose(1, 2)  # [b, s, h, d], not contiguous
     out = torch.empty(2, 3, 5, 8).transpose(1, 2)
-    numba_rope.rotary_embedding(tx, tensor(cos), tensor(sin), position_offset=1, layout="bshd", out=out)
+    numba_rope.rotary_embedding(
+        tx, tensor(cos), tensor(sin), position_offset=1, layout="bshd", out=out
+    )
     expected = reference.rotary_embedding(x, cos, sin, position_offset=1, precision="contract")
     np.testing.assert_array_equal(out.transpose(1, 2).numpy(), expected)
 
@@ -208,7 +214,9 @@ def test_torch_and_numpy_mixed_on_the_host(rng):
     got = numba_rope.rotary_embedding(x, tensor(cos), tensor(sin), position_offset=torch.tensor(0))
     assert type(got) is np.ndarray
     np.testing.assert_array_equal(got, expected)
-    q, k = numba_rope.rotary_embedding_qk(torch.from_numpy(x), x.copy(), cos, sin, position_offset=0)
+    q, k = numba_rope.rotary_embedding_qk(
+        torch.from_numpy(x), x.copy(), cos, sin, position_offset=0
+    )
     assert isinstance(q, torch.Tensor) and type(k) is np.ndarray
     np.testing.assert_array_equal(q.numpy(), k)
 
@@ -224,7 +232,9 @@ def test_negative_and_conjugate_views(rng):
     np.testing.assert_array_equal(got.numpy(), expected)
     out = torch._neg_view(torch.zeros(x.shape))
     with pytest.raises(ValueError, match=r"out is a torch view with the negative bit set"):
-        numba_rope.rotary_embedding(torch.from_numpy(x), tensor(cos), tensor(sin), position_offset=0, out=out)
+        numba_rope.rotary_embedding(
+            torch.from_numpy(x), tensor(cos), tensor(sin), position_offset=0, out=out
+        )
     assert not bool(out.any())
     complex_conj = torch.zeros(2, 3, 5, 8, dtype=torch.complex64).conj()
     with pytest.raises(TypeError, match="complex64"):
@@ -235,28 +245,36 @@ def test_refusals(rng):
     x, cos, sin = case(rng, np.float32)
     tc, ts = tensor(cos), tensor(sin)
     grad_x = torch.from_numpy(x).requires_grad_()
-    with pytest.raises(TypeError, match=r"input requires grad.*numba_rope\.torch\.rotary_embedding"):
+    with pytest.raises(
+        TypeError, match=r"input requires grad.*numba_rope\.torch\.rotary_embedding"
+    ):
         numba_rope.rotary_embedding(grad_x, tc, ts, position_offset=0)
     with torch.no_grad():  # no gradient wanted: accepted
         got = numba_rope.rotary_embedding(grad_x, tc, ts, position_offset=0)
     expected = reference.rotary_embedding(x, cos, sin, position_offset=0, precision="contract")
     np.testing.assert_array_equal(got.numpy(), expected)
     with pytest.raises(TypeError, match=r"float8_e4m3fn, which has no NumPy equivalent"):
-        numba_rope.rotary_embedding(torch.zeros(2, 3, 5, 8, dtype=torch.float8_e4m3fn), tc, ts, position_offset=0)
+        numba_rope.rotary_embedding(
+            torch.zeros(2, 3, 5, 8, dtype=torch.float8_e4m3fn), tc, ts, position_offset=0
+        )
     with pytest.raises(TypeError, match=r"layout torch\.sparse_coo.*to_dense"):
         numba_rope.rotary_embedding(torch.from_numpy(x).to_sparse(), tc, ts, position_offset=0)
     with pytest.raises(TypeError, match=r"torch\.Tensor on device 'meta'"):
-        numba_rope.rotary_embedding(torch.empty(2, 3, 5, 8, device="meta"), tc, ts, position_offset=0)
+        numba_rope.rotary_embedding(
+            torch.empty(2, 3, 5, 8, device="meta"), tc, ts, position_offset=0
+        )
     with pytest.raises(TypeError, match=r"input has dtype int32"):
-        numba_rope.rotary_embedding(torch.zeros(2, 3, 5, 8, dtype=torch.int32), tc, ts, position_offset=0)
+        numba_rope.rotary_embedding(
+            torch.zeros(2, 3, 5, 8, dtype=torch.int32), tc, ts, position_offset=0
+        )
     out = torch.zeros(2, 3, 5, 8)
     with pytest.raises(IndexError, match="position_ids"):
-        numba_rope.rotary_embedding(
-            torch.from_numpy(x), tc, ts, torch.full((2, 5), 12), out=out
-        )
+        numba_rope.rotary_embedding(torch.from_numpy(x), tc, ts, torch.full((2, 5), 12), out=out)
     assert not bool(out.any())  # nothing written on an error
     with pytest.raises(ValueError, match="share"):
-        numba_rope.rotary_embedding(torch.from_numpy(x), tc, ts, position_offset=0, out=torch.zeros(8).expand(2, 3, 5, 8))
+        numba_rope.rotary_embedding(
+            torch.from_numpy(x), tc, ts, position_offset=0, out=torch.zeros(8).expand(2, 3, 5, 8)
+        )
 
 
 def test_import_numba_rope_imports_neither_torch_nor_cuda_and_torch_cpu_stays_off_cuda():
@@ -322,7 +340,9 @@ def test_gradient_against_finite_differences_of_the_float64_reference(rng):
     ids = np.array([[4, 0, 2]])
     weights = rng.standard_normal(x.shape)
     t = torch.from_numpy(x.copy()).requires_grad_()
-    y = numba_rope.torch.rotary_embedding(t, tensor(cos), tensor(sin), torch.from_numpy(ids), interleaved=True)
+    y = numba_rope.torch.rotary_embedding(
+        t, tensor(cos), tensor(sin), torch.from_numpy(ids), interleaved=True
+    )
     (y * torch.from_numpy(weights)).sum().backward()
     numeric = np.empty_like(x)
     for index in np.ndindex(x.shape):
@@ -418,10 +438,35 @@ def test_opcheck(rng):
     the real one, autograd registration, and what torch.compile relies on."""
     x, cos, sin = case(rng, np.float32)
     args = (torch.from_numpy(x).requires_grad_(), tensor(cos), tensor(sin))
-    one = (*args, torch.from_numpy(rng.integers(0, 12, (2, 5))), None, None, False, 0, "bhsd", None, False, False)
+    one = (
+        *args,
+        torch.from_numpy(rng.integers(0, 12, (2, 5))),
+        None,
+        None,
+        False,
+        0,
+        "bhsd",
+        None,
+        False,
+        False,
+    )
     torch.library.opcheck(torch.ops.numba_rope.rotary_embedding.default, one)
     k = torch.from_numpy(rng.standard_normal((2, 1, 5, 8)).astype(np.float32)).requires_grad_()
-    two = (args[0], k, *args[1:], None, None, torch.tensor([0, 3]), True, 0, "bhsd", None, None, False, False)
+    two = (
+        args[0],
+        k,
+        *args[1:],
+        None,
+        None,
+        torch.tensor([0, 3]),
+        True,
+        0,
+        "bhsd",
+        None,
+        None,
+        False,
+        False,
+    )
     torch.library.opcheck(torch.ops.numba_rope.rotary_embedding_qk.default, two)
 
 
@@ -487,9 +532,13 @@ def test_torch_compile_fullgraph_on_the_gpu():  # pragma: no cover - CI has no G
 def test_gradient_on_the_gpu(rng):  # pragma: no cover - CI has no GPU
     x, cos, sin = case(rng, np.float32)
     t = torch.from_numpy(x).cuda().requires_grad_()
-    y = numba_rope.torch.rotary_embedding(t, tensor(cos).cuda(), tensor(sin).cuda(), position_offset=2)
+    y = numba_rope.torch.rotary_embedding(
+        t, tensor(cos).cuda(), tensor(sin).cuda(), position_offset=2
+    )
     y.backward(torch.ones_like(y))
-    expected = numba_rope.rotary_embedding(np.ones_like(x), cos, sin, position_offset=2, inverse=True)
+    expected = numba_rope.rotary_embedding(
+        np.ones_like(x), cos, sin, position_offset=2, inverse=True
+    )
     # The GPU may contract into FMA: one float32 ulp at the scale of the terms (|c|, |s| <= 1).
     np.testing.assert_allclose(t.grad.cpu().numpy(), expected, rtol=0, atol=4 * 2.0**-23)
 
