@@ -550,3 +550,29 @@ def test_readme_pytorch_example_runs():
     assert blocks
     for block in blocks:
         exec(compile(block, "README.md", "exec"), {})
+
+
+def test_inference_tensors_parameters_and_subclasses(rng):
+    """Inference-mode tensors (no version counter), an nn.Parameter under no_grad, and
+    a user's subclass of torch.Tensor (recognised by its torch base) all run on the CPU."""
+    x, cos, sin = case(rng, np.float32)
+    expected = reference.rotary_embedding(x, cos, sin, position_offset=1, precision="contract")
+    with torch.inference_mode():
+        t = torch.from_numpy(x.copy())
+        assert (
+            numba_rope.rotary_embedding(t, tensor(cos), tensor(sin), position_offset=1, out=t) is t
+        )
+    np.testing.assert_array_equal(t.numpy(), expected)
+    with torch.no_grad():
+        got = numba_rope.rotary_embedding(
+            torch.nn.Parameter(torch.from_numpy(x)), tensor(cos), tensor(sin), position_offset=1
+        )
+    np.testing.assert_array_equal(got.numpy(), expected)
+
+    class Mine(torch.Tensor):
+        pass
+
+    got = numba_rope.rotary_embedding(
+        torch.from_numpy(x).as_subclass(Mine), tensor(cos), tensor(sin), position_offset=1
+    )
+    np.testing.assert_array_equal(got.numpy(), expected)
