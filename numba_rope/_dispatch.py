@@ -4,6 +4,9 @@ once per call, without asking any device about itself.
 One table, :data:`DEVICE_OF_LIBRARY`, says which device runs each kind of array:
 
 * ``numpy.ndarray`` -> the CPU backend, :mod:`numba_rope._cpu.backend`;
+* torch CPU tensors (alone or with NumPy arrays: both are host memory) -> the same
+  backend through NumPy views of the tensors' memory,
+  :class:`numba_rope._cpu.torch_host.TorchHostBackend` (imported on first use);
 * Numba device arrays (the simulator's too), CuPy arrays, torch CUDA tensors and any
   other object exporting ``__cuda_array_interface__`` -> the CUDA backend,
   :mod:`numba_rope._cuda.backend` (imported on first use), on the caller's stream;
@@ -29,6 +32,7 @@ from numba_rope._validation import check_devices
 #: The device of each kind of array (see :func:`library`).
 DEVICE_OF_LIBRARY = {
     "numpy": "cpu",
+    "torch_cpu": "cpu",
     "numba": "cuda",
     "torch": "cuda",
     "cupy": "cuda",
@@ -37,29 +41,46 @@ DEVICE_OF_LIBRARY = {
 
 
 def type_name(obj: Any) -> str:
+    """The type of an argument for messages; a torch tensor on a device the operator
+    does not run on (``meta``, ``mps``, ...) says which."""
     kind = type(obj)
-    return f"{kind.__module__}.{kind.__qualname__}"
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    device = getattr(obj, "device", None)
+    if name.startswith("torch.") and getattr(device, "type", "cpu") not in ("cpu", "cuda"):
+        name += f" on device {str(device)!r}"
+    return name
 
 
 def library(array: Any) -> str | None:
     """Which library an argument comes from: ``numpy`` (``numpy.ndarray`` and
-    ``numpy.memmap``), ``numba``, ``torch``, ``cupy``, ``cuda`` (another
-    ``__cuda_array_interface__`` exporter), or None if unsupported: torch CPU tensors,
-    and ndarray subclasses such as ``numpy.ma.MaskedArray``, whose mask the kernels
-    would ignore. Read from the type alone: nothing is imported."""
+    ``numpy.memmap``), ``torch_cpu`` (a torch tensor on the CPU), ``numba``, ``torch``
+    (a torch CUDA tensor), ``cupy``, ``cuda`` (another ``__cuda_array_interface__``
+    exporter), or None if unsupported: torch tensors on other devices, and ndarray
+    subclasses such as ``numpy.ma.MaskedArray``, whose mask the kernels would ignore.
+    Read from the type (and a torch tensor's device attribute) alone: nothing is
+    imported."""
     kind = type(array)
     if kind is np.ndarray or kind is np.memmap:
         return "numpy"
     if isinstance(array, np.ndarray):
         return None  # a subclass that may change meaning (a mask, a matrix): refused
     module = kind.__module__ or ""
-    if module == "torch" or module.startswith("torch."):
-        return "torch" if getattr(array, "is_cuda", False) else None
+    if any(_is_torch_module(base.__module__) for base in kind.__mro__):
+        if getattr(array, "is_cuda", False):
+            return "torch"
+        device = getattr(array, "device", None)
+        return "torch_cpu" if getattr(device, "type", None) == "cpu" else None
     if getattr(kind, "__cuda_ndarray__", False):
         return "numba"  # numba device arrays, real or simulated
     if hasattr(kind, "__cuda_array_interface__"):
         return "cupy" if module.startswith("cupy") else "cuda"
     return None
+
+
+def _is_torch_module(module: str | None) -> bool:
+    """Whether a type comes from torch (``torch.Tensor``, ``torch.nn.Parameter``; a
+    user's subclass of them has one among its bases)."""
+    return module is not None and (module == "torch" or module.startswith("torch."))
 
 
 def backend_for(arrays: tuple[Any, ...], names: tuple[str, ...], stream: Any = None) -> Any:
@@ -80,6 +101,10 @@ def backend_for(arrays: tuple[Any, ...], names: tuple[str, ...], stream: Any = N
         [None if lib is None else DEVICE_OF_LIBRARY[lib] for _, _, lib in given],
     )
     if device == "cpu":
+        if "torch_cpu" in libraries:
+            from numba_rope._cpu.torch_host import TorchHostBackend
+
+            return TorchHostBackend(arrays, names, libraries)
         return cpu_backend
     require_jit()  # without the JIT, _rotation.rotate_pair is Python: no CUDA kernel can call it
     from numba_rope._cuda.backend import CudaBackend

@@ -85,12 +85,12 @@ def check_devices(names: list[str], type_names: list[str], devices: list[str | N
     takes); else ``TypeError`` naming the argument and where it is."""
     for name, type_name, device in zip(names, type_names, devices, strict=True):
         if device is None:
-            where = " on the CPU" if type_name.startswith("torch.") else ""
             raise TypeError(
-                f"{name} is a {type_name}{where}; rotary_embedding accepts NumPy arrays "
+                f"{name} is a {type_name}; rotary_embedding accepts NumPy arrays "
                 f"(numpy.ndarray or numpy.memmap: convert with numpy.asarray, which also "
-                f"drops a subclass's meaning such as a mask), or arrays on an NVIDIA GPU: "
-                f"CuPy arrays, Numba device arrays and torch CUDA tensors"
+                f"drops a subclass's meaning such as a mask), torch tensors on the CPU, or "
+                f"arrays on an NVIDIA GPU: CuPy arrays, Numba device arrays and torch CUDA "
+                f"tensors"
             )
     on_gpu = [name for name, device in zip(names, devices, strict=True) if device == "cuda"]
     if not on_gpu:
@@ -98,7 +98,11 @@ def check_devices(names: list[str], type_names: list[str], devices: list[str | N
     on_host = [name for name, device in zip(names, devices, strict=True) if device == "cpu"]
     if on_host:
         places = {
-            name: "a NumPy array on the host" if device == "cpu" else f"on the GPU ({type_name})"
+            name: f"on the GPU ({type_name})"
+            if device == "cuda"
+            else "a torch.Tensor on the CPU"
+            if type_name.startswith("torch.")
+            else "a NumPy array on the host"
             for name, type_name, device in zip(names, type_names, devices, strict=True)
         }
         raise TypeError(

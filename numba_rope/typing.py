@@ -5,8 +5,9 @@
   arrays, CuPy arrays, torch CUDA tensors (runs on the GPU).
 * :data:`Array`: either; what :func:`numba_rope.rotary_embedding` accepts as input,
   caches and ``out``. Python lists and other sequences are not arrays (the call raises
-  ``TypeError``, and a type checker reports it). Some refusals are for the call alone
-  to see: torch CPU tensors (typed as torch CUDA tensors are) and ndarray subclasses
+  ``TypeError``, and a type checker reports it). torch tensors on the CPU are accepted
+  too (typed as torch CUDA tensors are: the class has the property). Some refusals are
+  for the call alone to see: torch tensors on other devices and ndarray subclasses
   other than ``numpy.memmap``.
 * :data:`ArrayT`: a type variable bound to :data:`Array`. ``rotary_embedding`` takes an
   ``ArrayT`` and returns that type: NumPy in, NumPy out; CuPy, torch and Numba device

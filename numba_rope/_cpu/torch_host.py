@@ -1,0 +1,166 @@
+"""torch tensors on the CPU, through the CPU backend: NumPy views of the tensors'
+memory in, torch tensors out, nothing copied.
+
+A :class:`TorchHostBackend` lives for one call whose arrays are all in host memory and
+include a torch CPU tensor (NumPy arrays may come with them). It makes one NumPy view
+per tensor (float32/float16/float64 and integer tensors as they are; bfloat16 through
+an ``int16`` view reinterpreted as ``ml_dtypes.bfloat16``), hands the views to
+:mod:`numba_rope._cpu.backend` for description and running, and returns each result
+as its input's kind: ``out`` itself when given, else a torch tensor over the memory
+the kernel wrote (``torch.from_numpy``) for a torch input, a NumPy array for a NumPy
+input.
+
+What a NumPy view cannot carry is refused or resolved here, before anything is
+written: a tensor that records autograd (use :mod:`numba_rope.torch`), an ``out``
+with torch's negative or conjugate bit (an input with one is resolved, a copy), a
+layout other than strided, a dtype NumPy cannot hold. An ``out`` tensor written
+through its view has its autograd version counter bumped, as an in-place torch
+operation would, so a graph that saved it refuses to run backward on stale values.
+
+torch is imported by these functions only, which run for a caller who passed a
+tensor: it is already imported then.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from numba_rope._cpu import backend as cpu_backend
+from numba_rope._validation import Call
+
+name = "cpu"
+
+#: Output arguments, by name (written through their views).
+_OUTPUT_NAMES = ("out", "out_q", "out_k")
+
+
+def host_view(tensor: Any, argument: str) -> np.ndarray:
+    """A NumPy array over ``tensor``'s memory (same shape, strides and dtype; bfloat16
+    as ``ml_dtypes.bfloat16``), or ``TypeError``/``ValueError`` for what a view cannot
+    carry. ``argument`` names the tensor in messages; outputs (``out``, ``out_q``,
+    ``out_k``) are never copied, inputs with torch's negative or conjugate bit are
+    (the view must hold the values the tensor means)."""
+    import torch
+
+    output = argument in _OUTPUT_NAMES
+    if tensor.layout is not torch.strided:
+        raise TypeError(
+            f"{argument} is a torch tensor of layout {tensor.layout}; rotary_embedding "
+            f"takes strided (dense) tensors: convert it with .to_dense()"
+        )
+    if tensor.requires_grad and torch.is_grad_enabled():
+        raise TypeError(
+            f"{argument} requires grad, and numba_rope.rotary_embedding records nothing "
+            f"for autograd; use numba_rope.torch.rotary_embedding (or rotary_embedding_qk), "
+            f"which is differentiable, or pass {argument}.detach() (or call under "
+            f"torch.no_grad()) where no gradient is wanted"
+        )
+    if tensor.is_neg() or tensor.is_conj():
+        bit = "negative" if tensor.is_neg() else "conjugate"
+        if output:
+            raise ValueError(
+                f"{argument} is a torch view with the {bit} bit set (its memory holds "
+                f"the {'negated' if bit == 'negative' else 'conjugated'} values), which "
+                f"numba_rope cannot write through; write into a plain tensor (e.g. "
+                f"{argument}.resolve_neg().resolve_conj(), a copy) and copy it back"
+            )
+        tensor = tensor.resolve_neg().resolve_conj()  # a copy of the values it means
+    tensor = tensor.detach()
+    if tensor.dtype is torch.bfloat16:
+        import ml_dtypes  # not at import time: it costs more than the rest of numba_rope
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    try:
+        return tensor.numpy()
+    except TypeError:  # a dtype NumPy has no type for (float8, complex32, ...)
+        raise TypeError(
+            f"{argument} is a torch tensor of dtype {tensor.dtype}, which has no NumPy "
+            f"equivalent; rotary_embedding accepts torch.float32, float16, bfloat16 and "
+            f"float64 tensors (integer tensors for positions): convert it with .float()"
+        ) from None
+
+
+def tensor_over(array: np.ndarray) -> Any:
+    """A torch tensor over ``array``'s memory (no copy): bfloat16 through ``int16``."""
+    import torch
+
+    if array.dtype.kind == "V" and array.dtype.itemsize == 2:  # ml_dtypes.bfloat16
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+class TorchHostBackend:
+    """One call's host arrays, torch CPU tensors among them, run by the CPU backend."""
+
+    name = "cpu"
+
+    def __init__(
+        self,
+        arrays: tuple[Any, ...],
+        names: tuple[str, ...],
+        libraries: tuple[str | None, ...],
+    ) -> None:
+        # One view per tensor object, so that a tensor passed twice (``out=x``: in
+        # place) is one array for the backend too.
+        self._views: dict[int, np.ndarray] = {}
+        self._tensors: list[Any] = []  # alive for the call, so their ids stay theirs
+        for array, argument, library in zip(arrays, names, libraries, strict=True):
+            if library == "torch_cpu" and id(array) not in self._views:
+                self._views[id(array)] = host_view(array, argument)
+                self._tensors.append(array)
+
+    def host(self, array: Any) -> Any:
+        """The NumPy view of a tensor of this call, anything else as it is."""
+        return self._views.get(id(array), array)
+
+    def describe(self, array: Any) -> tuple[Any, ...] | None:
+        return cpu_backend.describe(self.host(array))
+
+    def describe_out(self, array: Any) -> tuple[Any, ...] | None:
+        return cpu_backend.describe_out(self.host(array))
+
+    def run(
+        self,
+        call: Call,
+        inputs: tuple,
+        outs: tuple,
+        cos: Any,
+        sin: Any,
+        position_ids: Any,
+        position_offset: Any,
+        check_position_ids: bool = True,
+    ) -> tuple:
+        """Run the call on the views and return each result as its input's kind."""
+        host = self.host
+        results = cpu_backend.run(
+            call,
+            tuple(host(x) for x in inputs),
+            tuple(host(out) for out in outs),
+            host(cos),
+            host(sin),
+            host(position_ids),
+            host(position_offset),
+            check_position_ids,
+        )
+        returned = []
+        for x, out, result in zip(inputs, outs, results, strict=True):
+            if out is not None:
+                if id(out) in self._views:
+                    _bump_version(out)
+                returned.append(out)
+            elif id(x) in self._views:
+                returned.append(tensor_over(result))
+            else:
+                returned.append(result)  # a NumPy input: a NumPy result
+        return tuple(returned)
+
+
+def _bump_version(tensor: Any) -> None:
+    """Count a write through the NumPy view as an in-place torch operation would (an
+    inference tensor has no version counter)."""
+    import torch
+
+    if not tensor.is_inference():
+        torch.autograd.graph.increment_version(tensor)

@@ -1,0 +1,58 @@
+"""Full-width cos/sin caches (Hugging Face's ``cat(freqs, freqs)``) as the operator
+takes them: their first half, once the two halves are checked equal.
+
+The operator rotates the pair ``(x[i], x[i + rotary_dim/2])`` by one angle, whose
+cosine and sine are ``cos[..., i]`` and ``sin[..., i]``. Hugging Face's rotary modules
+produce ``[.., rotary_dim]`` caches whose halves repeat each other; a cache whose
+halves differ describes a computation the operator cannot represent, and is refused
+with the first place they differ.
+
+The check works on NumPy arrays and torch tensors alike (``!=``, ``==``, ``any``,
+``nonzero``); nothing is imported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def first_half(cache: Any, name: str) -> Any:
+    """The first half of ``cache``'s last axis (a view), after checking that the second
+    half equals it (NaN equals NaN here; +0 equals -0); else ``ValueError`` naming the
+    first place where they differ.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> freqs = np.array([[0.0, 0.5], [1.0, 1.5]], np.float32)
+    >>> first_half(np.cos(np.concatenate([freqs, freqs], axis=-1)), "cos").shape
+    (2, 2)
+    >>> first_half(np.ones((2, 3, 4), np.float32), "cos").base is not None
+    True
+    """
+    width = int(cache.shape[-1]) if len(cache.shape) else 0
+    if len(cache.shape) == 0 or width % 2:
+        raise ValueError(
+            f"{name} has shape {tuple(cache.shape)}; a full-width cache (Hugging Face's "
+            f"cat(freqs, freqs)) has an even number of channels in its last axis, two "
+            f"equal halves"
+        )
+    half = width // 2
+    first, second = cache[..., :half], cache[..., half:]
+    differ = (first != second) & ((first == first) | (second == second))
+    if bool(differ.any()):
+        found = differ.nonzero()
+        if isinstance(found, tuple):  # NumPy: one index array per axis
+            place = tuple(int(axis[0]) for axis in found)
+        else:  # torch: [n, ndim]
+            place = tuple(int(i) for i in found[0])
+        other = (*place[:-1], place[-1] + half)
+        raise ValueError(
+            f"the halves of {name} differ: {name}[{', '.join(map(str, place))}] = "
+            f"{float(first[place])!r} but {name}[{', '.join(map(str, other))}] = "
+            f"{float(cache[other])!r}. numba_rope rotates the pair (x[i], x[i + {half}]) "
+            f"by one angle, so a full-width cache (Hugging Face's cat(freqs, freqs)) "
+            f"must repeat its first half; pass caches whose halves are equal, or call "
+            f"numba_rope.rotary_embedding with caches of width {half}"
+        )
+    return first

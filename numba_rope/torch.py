@@ -1,0 +1,378 @@
+"""numba_rope for PyTorch: the operator as a differentiable torch custom op.
+
+:func:`rotary_embedding` and :func:`rotary_embedding_qk` take and return torch tensors
+(CPU or CUDA) and record autograd: the gradient with respect to the input is the
+inverse rotation of the output's gradient (``inverse=True``, exact: the rotation is
+orthogonal, its transpose is its inverse), computed by the same kernels. They are the
+torch custom ops ``torch.ops.numba_rope.rotary_embedding`` and
+``torch.ops.numba_rope.rotary_embedding_qk`` (``torch.library.custom_op``) with a fake
+implementation for shapes and a registered backward, so ``torch.compile(...,
+fullgraph=True)`` traces a model that uses them, on the CPU and the GPU.
+
+The cos/sin caches are constants (built by :func:`numba_rope.rope_cache` or a rotary
+module under ``no_grad``); gradients with respect to them are not computed: caches
+that require grad are refused with ``NotImplementedError`` rather than given a
+silent zero gradient (pass ``cache.detach()``).
+
+Importing this module imports torch; ``import numba_rope`` does not.
+
+Examples
+--------
+>>> import torch
+>>> import numba_rope
+>>> import numba_rope.torch
+>>> cos, sin = (torch.from_numpy(c) for c in numba_rope.rope_cache(32, 8))
+>>> q = torch.randn(2, 4, 5, 8, requires_grad=True)  # [batch, heads, seq, head]
+>>> y = numba_rope.torch.rotary_embedding(q, cos, sin, position_offset=3)
+>>> y.sum().backward()
+>>> back = numba_rope.torch.rotary_embedding(torch.ones_like(q), cos, sin,
+...                                          position_offset=3, inverse=True)
+>>> torch.equal(q.grad, back)  # the gradient is the inverse rotation
+True
+"""
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from numba_rope._halves import first_half
+from numba_rope.rotary import rotary_embedding as _rotate_one
+from numba_rope.rotary import rotary_embedding_qk as _rotate_two
+
+__all__ = ["rotary_embedding", "rotary_embedding_qk"]
+
+Tensor = torch.Tensor
+
+
+# -- the custom ops --------------------------------------------------------------------
+# Position offsets travel as an int (one for the batch) or a tensor ([batch]): a custom
+# op's schema has no union of the two. ``full_width``: the caches are Hugging Face's
+# full-width ones (checked, then halved inside the op, where the data are real).
+
+
+def _caches(cos: Tensor, sin: Tensor, full_width: bool) -> tuple[Tensor, Tensor]:
+    cos, sin = cos.detach(), sin.detach()
+    if full_width:
+        return first_half(cos, "cos"), first_half(sin, "sin")
+    return cos, sin
+
+
+@torch.library.custom_op("numba_rope::rotary_embedding", mutates_args=())
+def _rotary_op(
+    input: Tensor,
+    cos_cache: Tensor,
+    sin_cache: Tensor,
+    position_ids: Tensor | None,
+    position_offset: int | None,
+    position_offsets: Tensor | None,
+    interleaved: bool,
+    rotary_embedding_dim: int,
+    layout: str,
+    num_heads: int | None,
+    inverse: bool,
+    full_width: bool,
+) -> Tensor:
+    cos, sin = _caches(cos_cache, sin_cache, full_width)
+    return _rotate_one(
+        input.detach(),
+        cos,
+        sin,
+        None if position_ids is None else position_ids.detach(),
+        interleaved=interleaved,
+        rotary_embedding_dim=rotary_embedding_dim,
+        layout=layout,
+        num_heads=num_heads,
+        position_offset=position_offset if position_offsets is None else position_offsets,
+        inverse=inverse,
+    )
+
+
+@torch.library.custom_op("numba_rope::rotary_embedding_qk", mutates_args=())
+def _rotary_qk_op(
+    q: Tensor,
+    k: Tensor,
+    cos_cache: Tensor,
+    sin_cache: Tensor,
+    position_ids: Tensor | None,
+    position_offset: int | None,
+    position_offsets: Tensor | None,
+    interleaved: bool,
+    rotary_embedding_dim: int,
+    layout: str,
+    num_heads: int | None,
+    num_kv_heads: int | None,
+    inverse: bool,
+    full_width: bool,
+) -> tuple[Tensor, Tensor]:
+    cos, sin = _caches(cos_cache, sin_cache, full_width)
+    return _rotate_two(
+        q.detach(),
+        k.detach(),
+        cos,
+        sin,
+        None if position_ids is None else position_ids.detach(),
+        interleaved=interleaved,
+        rotary_embedding_dim=rotary_embedding_dim,
+        layout=layout,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        position_offset=position_offset if position_offsets is None else position_offsets,
+        inverse=inverse,
+    )
+
+
+@_rotary_op.register_fake
+def _rotary_fake(input: Tensor, *args: Any) -> Tensor:
+    return input.new_empty(input.shape)  # C-contiguous, as the real result
+
+
+@_rotary_qk_op.register_fake
+def _rotary_qk_fake(q: Tensor, k: Tensor, *args: Any) -> tuple[Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+# -- autograd: the gradient of a rotation is the inverse rotation -----------------------
+
+#: Places of the cos/sin caches among each op's inputs.
+_CACHES_ONE = (1, 2)
+_CACHES_TWO = (2, 3)
+
+
+def _refuse_cache_gradient(needs_input_grad: Any, caches: tuple[int, int]) -> None:
+    if any(needs_input_grad[i] for i in caches):
+        raise NotImplementedError(_CACHE_GRADIENT)
+
+
+_CACHE_GRADIENT = (
+    "numba_rope.torch differentiates with respect to the input (q and k) only, not "
+    "cos_cache/sin_cache; caches are constants (rope_cache, or a rotary module under "
+    "no_grad): pass cos_cache.detach() and sin_cache.detach()"
+)
+
+
+def _setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    two = len(inputs) == 14
+    first_cache = 2 if two else 1
+    cos, sin, ids, offset, offsets = inputs[first_cache : first_cache + 5]
+    ctx.save_for_backward(cos, sin, ids, offsets)
+    ctx.offset = offset
+    ctx.options = inputs[first_cache + 5 :]  # interleaved ... full_width
+
+
+def _rotary_backward(ctx: Any, grad: Tensor) -> tuple:
+    _refuse_cache_gradient(ctx.needs_input_grad, _CACHES_ONE)
+    cos, sin, ids, offsets = ctx.saved_tensors
+    interleaved, rotary_dim, layout, num_heads, inverse, full_width = ctx.options
+    grad_input = _rotary_op(
+        grad,
+        cos,
+        sin,
+        ids,
+        ctx.offset,
+        offsets,
+        interleaved,
+        rotary_dim,
+        layout,
+        num_heads,
+        not inverse,
+        full_width,
+    )
+    return (grad_input, *(None,) * 11)
+
+
+def _rotary_qk_backward(ctx: Any, grad_q: Tensor, grad_k: Tensor) -> tuple:
+    # torch materializes the gradient of an unused output as zeros: both are tensors.
+    _refuse_cache_gradient(ctx.needs_input_grad, _CACHES_TWO)
+    cos, sin, ids, offsets = ctx.saved_tensors
+    interleaved, rotary_dim, layout, num_heads, num_kv_heads, inverse, full_width = ctx.options
+    grads = _rotary_qk_op(
+        grad_q,
+        grad_k,
+        cos,
+        sin,
+        ids,
+        ctx.offset,
+        offsets,
+        interleaved,
+        rotary_dim,
+        layout,
+        num_heads,
+        num_kv_heads,
+        not inverse,
+        full_width,
+    )
+    return (*grads, *(None,) * 12)
+
+
+_rotary_op.register_autograd(_rotary_backward, setup_context=_setup)
+_rotary_qk_op.register_autograd(_rotary_qk_backward, setup_context=_setup)
+
+
+# -- the public functions ---------------------------------------------------------------
+
+
+def _tensor(array: Any, like: Tensor) -> Any:
+    """A NumPy cache or position array as a tensor on ``like``'s device (a view of its
+    memory on the CPU, a copy on a GPU); tensors and None as they are."""
+    if array is None or isinstance(array, Tensor):
+        return array
+    if isinstance(array, np.ndarray):
+        if array.dtype.kind == "V" and array.dtype.itemsize == 2:  # ml_dtypes.bfloat16
+            tensor = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+        else:
+            tensor = torch.from_numpy(array)
+        return tensor.to(like.device)
+    raise TypeError(
+        f"numba_rope.torch takes torch tensors (or NumPy caches and positions), got a "
+        f"{type(array).__module__}.{type(array).__qualname__}; for NumPy input use "
+        f"numba_rope.rotary_embedding"
+    )
+
+
+def _check_inputs(*inputs: Any) -> None:
+    for name, x in inputs:
+        if not isinstance(x, Tensor):
+            raise TypeError(
+                f"{name} is a {type(x).__module__}.{type(x).__qualname__}; "
+                f"numba_rope.torch takes torch tensors (for NumPy arrays, which need no "
+                f"autograd, use numba_rope.rotary_embedding)"
+            )
+
+
+def _offsets(position_offset: Any, like: Tensor) -> tuple[int | None, Tensor | None]:
+    """``position_offset`` as the ops take it: ``(int, None)`` or ``(None, tensor)``."""
+    if position_offset is None:
+        return None, None
+    if isinstance(position_offset, Tensor):
+        return None, position_offset
+    if isinstance(position_offset, np.ndarray):
+        return None, _tensor(position_offset, like)
+    if isinstance(position_offset, (bool, np.bool_)) or not isinstance(
+        position_offset, (int, np.integer)
+    ):
+        raise TypeError(
+            f"position_offset must be an integer or an integer tensor of shape [batch], "
+            f"got {position_offset!r}"
+        )
+    return int(position_offset), None
+
+
+def _check_caches(cos: Tensor, sin: Tensor) -> None:
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        raise NotImplementedError(_CACHE_GRADIENT)
+
+
+def rotary_embedding(
+    input: Tensor,
+    cos_cache: Tensor,
+    sin_cache: Tensor,
+    position_ids: Tensor | None = None,
+    *,
+    interleaved: bool = False,
+    rotary_embedding_dim: int = 0,
+    layout: str = "bhsd",
+    num_heads: int | None = None,
+    position_offset: int | Tensor | None = None,
+    inverse: bool = False,
+) -> Tensor:
+    """:func:`numba_rope.rotary_embedding` on torch tensors, differentiable with
+    respect to ``input``.
+
+    The arguments and the result are those of :func:`numba_rope.rotary_embedding`
+    (same numerical contract, same errors), as torch tensors on one device (CPU or
+    CUDA; NumPy caches and positions are taken as tensors, copied to the GPU for CUDA
+    input). The result is a new C-contiguous tensor; there is no ``out=`` (write in
+    place with :func:`numba_rope.rotary_embedding`, which records no autograd).
+    ``position_offset``: an int or an integer tensor of shape ``[batch]``.
+
+    Backward: the gradient with respect to ``input`` is the output's gradient rotated
+    by the negative angle (``inverse=True``), by the same kernels. Caches that require
+    grad raise ``NotImplementedError``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import numba_rope
+    >>> import numba_rope.torch
+    >>> cos, sin = (torch.from_numpy(c) for c in numba_rope.rope_cache(16, 4))
+    >>> x = torch.randn(1, 6, 2, 4, dtype=torch.float64, requires_grad=True)  # bshd
+    >>> def rope(x):
+    ...     return numba_rope.torch.rotary_embedding(
+    ...         x, cos.double(), sin.double(), position_offset=2, layout="bshd")
+    >>> torch.autograd.gradcheck(rope, (x,))
+    True
+    """
+    _check_inputs(("input", input))
+    cos, sin = _tensor(cos_cache, input), _tensor(sin_cache, input)
+    _check_caches(cos, sin)
+    offset, offsets = _offsets(position_offset, input)
+    return _rotary_op(
+        input,
+        cos,
+        sin,
+        _tensor(position_ids, input),
+        offset,
+        offsets,
+        interleaved,
+        rotary_embedding_dim,
+        layout,
+        num_heads,
+        inverse,
+        False,
+    )
+
+
+def rotary_embedding_qk(
+    q: Tensor,
+    k: Tensor,
+    cos_cache: Tensor,
+    sin_cache: Tensor,
+    position_ids: Tensor | None = None,
+    *,
+    interleaved: bool = False,
+    rotary_embedding_dim: int = 0,
+    layout: str = "bhsd",
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    position_offset: int | Tensor | None = None,
+    inverse: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """:func:`numba_rope.rotary_embedding_qk` on torch tensors, differentiable with
+    respect to ``q`` and ``k`` (see :func:`rotary_embedding`): one pass over both
+    forward, and one over both gradients backward.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import numba_rope
+    >>> import numba_rope.torch
+    >>> cos, sin = (torch.from_numpy(c) for c in numba_rope.rope_cache(16, 8))
+    >>> q = torch.randn(2, 3, 4, 8, requires_grad=True)   # bshd: 4 query heads
+    >>> k = torch.randn(2, 3, 2, 8, requires_grad=True)   # 2 key heads
+    >>> q_out, k_out = numba_rope.torch.rotary_embedding_qk(
+    ...     q, k, cos, sin, position_offset=torch.tensor([0, 7]), layout="bshd")
+    >>> (q_out.sum() + k_out.sum()).backward()
+    >>> q.grad.shape, k.grad.shape
+    (torch.Size([2, 3, 4, 8]), torch.Size([2, 3, 2, 8]))
+    """
+    _check_inputs(("q", q), ("k", k))
+    cos, sin = _tensor(cos_cache, q), _tensor(sin_cache, q)
+    _check_caches(cos, sin)
+    offset, offsets = _offsets(position_offset, q)
+    return _rotary_qk_op(
+        q,
+        k,
+        cos,
+        sin,
+        _tensor(position_ids, q),
+        offset,
+        offsets,
+        interleaved,
+        rotary_embedding_dim,
+        layout,
+        num_heads,
+        num_kv_heads,
+        inverse,
+        False,
+    )

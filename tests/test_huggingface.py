@@ -1,0 +1,273 @@
+"""numba_rope.huggingface.apply_rotary_pos_emb against transformers' own
+``apply_rotary_pos_emb`` and rotary modules (Llama; GPT-NeoX for partial rotary), and
+against numba_rope.reference for 16-bit input.
+
+Why float32 is compared bit for bit with transformers: ``q * cos + rotate_half(q) * sin``
+rounds, per element, the two products ``x1*c`` and ``x2*s`` (the negation in
+rotate_half is exact) and their sum or difference, each once, in separate eager torch
+kernels (nothing fuses them into an FMA); the operator evaluates the same two products
+and the same sum or difference with one rounding each. So the bits agree on every CPU.
+In 16-bit transformers rounds after every operation; the operator rounds once, so there
+the oracle is the float64 reference's ``precision="contract"``.
+
+The NumPy path needs no torch; the rest skips where torch or transformers is absent.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from oracles import BFLOAT16
+
+import numba_rope
+from numba_rope import reference
+from numba_rope.huggingface import apply_rotary_pos_emb
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def full_width_caches(rng, batch, seq_len, rotary_dim, dtype=np.float32):
+    """Hugging Face's form: ``cat(freqs, freqs)`` of angles per token."""
+    freqs = rng.uniform(-20, 20, (batch, seq_len, rotary_dim // 2))
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb).astype(dtype), np.sin(emb).astype(dtype)
+
+
+# -- NumPy: no torch needed ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2, -3, -2])
+def test_numpy_matches_the_operator_on_halved_caches(rng, unsqueeze_dim):
+    layout = "bhsd" if unsqueeze_dim in (1, -3) else "bshd"
+    shape_q = (2, 4, 5, 16) if layout == "bhsd" else (2, 5, 4, 16)
+    shape_k = (2, 2, 5, 16) if layout == "bhsd" else (2, 5, 2, 16)
+    q = rng.standard_normal(shape_q).astype(np.float32)
+    k = rng.standard_normal(shape_k).astype(np.float32)
+    cos, sin = full_width_caches(rng, 1, 5, 12)  # partial rotary, one table for the batch
+    q_embed, k_embed = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    half = np.broadcast_to(cos[..., :6], (2, 5, 6)), np.broadcast_to(sin[..., :6], (2, 5, 6))
+    for got, x in ((q_embed, q), (k_embed, k)):
+        expected = reference.rotary_embedding(
+            x, *half, rotary_embedding_dim=12, layout=layout, precision="contract"
+        )
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_two_dimensional_caches_with_position_ids(rng):
+    """transformers before 4.38: ``cos[position_ids]`` taken inside."""
+    q = rng.standard_normal((2, 3, 4, 8)).astype(np.float32)
+    k = rng.standard_normal((2, 1, 4, 8)).astype(np.float32)
+    cos, sin = full_width_caches(rng, 1, 20, 8)
+    ids = rng.integers(0, 20, (2, 4))
+    q_embed, _ = apply_rotary_pos_emb(q, k, cos[0], sin[0], ids)
+    expected = reference.rotary_embedding(
+        q, cos[0, :, :4], sin[0, :, :4], ids, precision="contract"
+    )
+    np.testing.assert_array_equal(q_embed, expected)
+    with pytest.raises(ValueError, match=r"pass position_ids \[batch, seq_len\]"):
+        apply_rotary_pos_emb(q, k, cos[0], sin[0])
+
+
+def test_halves_that_differ_are_refused_with_the_first_place(rng):
+    q = rng.standard_normal((1, 2, 3, 8)).astype(np.float32)
+    cos, sin = full_width_caches(rng, 1, 3, 8)
+    sin = sin.copy()
+    sin[0, 2, 5] += 1.0
+    with pytest.raises(
+        ValueError, match=r"the halves of sin differ: sin\[0, 2, 1\] = .* but sin\[0, 2, 5\]"
+    ):
+        apply_rotary_pos_emb(q, q, cos, sin)
+    nan = cos.copy()
+    nan[0, 1, [0, 4]] = np.nan  # NaN in both halves at one place: equal halves
+    apply_rotary_pos_emb(q, q, nan, np.concatenate([sin[..., :4]] * 2, axis=-1))
+    with pytest.raises(ValueError, match="even number of channels"):
+        apply_rotary_pos_emb(q, q, cos[..., :7], sin[..., :7])
+
+
+def test_bad_arguments():
+    q = np.zeros((1, 2, 3, 8), np.float32)
+    cos = np.ones((1, 3, 8), np.float32)
+    with pytest.raises(ValueError, match=r"unsqueeze_dim must be 1 .* or 2"):
+        apply_rotary_pos_emb(q, q, cos, cos, unsqueeze_dim=3)
+    with pytest.raises(TypeError, match=r"pass unsqueeze_dim=2 by keyword"):
+        apply_rotary_pos_emb(q, q, cos, cos, 2)  # transformers 5's positional unsqueeze_dim
+    with pytest.raises(ValueError, match=r"cos and sin have shapes"):
+        apply_rotary_pos_emb(q, q, cos[None], cos[None])
+
+
+def test_16_bit_numpy_against_the_contract(rng):
+    q = rng.standard_normal((2, 3, 4, 8)).astype(BFLOAT16)
+    cos, sin = full_width_caches(rng, 2, 4, 8, BFLOAT16)
+    q_embed, k_embed = apply_rotary_pos_emb(q, q, cos, sin)
+    expected = reference.rotary_embedding(q, cos[..., :4], sin[..., :4], precision="contract")
+    np.testing.assert_array_equal(q_embed.view(np.uint16), expected.view(np.uint16))
+    np.testing.assert_array_equal(k_embed.view(np.uint16), expected.view(np.uint16))
+
+
+# -- torch and transformers --------------------------------------------------------------
+
+
+@pytest.fixture
+def hf():
+    """transformers' Llama and GPT-NeoX modules (torch first: it is the heavier skip)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers.models.gpt_neox import modeling_gpt_neox
+    from transformers.models.llama import modeling_llama
+
+    return modeling_llama, modeling_gpt_neox
+
+
+def llama_caches(hf, q, position_ids):
+    """cos/sin from transformers' LlamaRotaryEmbedding for a small config."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=4 * 16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
+    return hf[0].LlamaRotaryEmbedding(config=config)(q, position_ids)
+
+
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_float32_equals_transformers_bit_for_bit_with_gradients(hf, unsqueeze_dim):
+    import torch
+
+    generator = torch.Generator().manual_seed(7)
+    batch, seq_len = 3, 6
+    q_shape = (batch, 4, seq_len, 16) if unsqueeze_dim == 1 else (batch, seq_len, 4, 16)
+    k_shape = (batch, 2, seq_len, 16) if unsqueeze_dim == 1 else (batch, seq_len, 2, 16)
+    q = torch.randn(q_shape, generator=generator)
+    k = torch.randn(k_shape, generator=generator)
+    positions = torch.randint(0, 256, (batch, seq_len), generator=generator)
+    cos, sin = llama_caches(hf, q, positions)
+    assert tuple(cos.shape) == (batch, seq_len, 16)
+
+    ours_q, ours_k = q.clone().requires_grad_(), k.clone().requires_grad_()
+    theirs_q, theirs_k = q.clone().requires_grad_(), k.clone().requires_grad_()
+    got = apply_rotary_pos_emb(ours_q, ours_k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    want = hf[0].apply_rotary_pos_emb(theirs_q, theirs_k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    # Backward: per pair g1*c + g2*s and g2*c - g1*s, rounded alike (see test_torch.py).
+    grad_q, grad_k = (
+        torch.randn(q_shape, generator=generator),
+        torch.randn(k_shape, generator=generator),
+    )
+    torch.autograd.backward(got, (grad_q, grad_k))
+    torch.autograd.backward(want, (grad_q, grad_k))
+    assert torch.equal(ours_q.grad, theirs_q.grad)
+    assert torch.equal(ours_k.grad, theirs_k.grad)
+
+
+def test_partial_rotary_equals_gpt_neox(hf):
+    import torch
+
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 5, 16, generator=generator)
+    k = torch.randn(2, 4, 5, 16, generator=generator)
+    freqs = torch.rand(1, 5, 3, generator=generator) * 40 - 20
+    emb = torch.cat([freqs, freqs], dim=-1)  # rotary_dim 6 of head_dim 16
+    cos, sin = emb.cos(), emb.sin()
+    got = apply_rotary_pos_emb(q, k, cos, sin)
+    want = hf[1].apply_rotary_pos_emb(q, k, cos, sin)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+def test_16_bit_tensors_against_the_contract(hf, dtype_name):
+    """In 16-bit the oracle is the float64 reference's contract (rounded once), on the
+    very caches transformers produced; transformers' own result (rounded at every step)
+    is within a few units of it."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    generator = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, 6, 16, generator=generator).to(dtype)
+    positions = torch.arange(6).expand(2, 6) + torch.tensor([[0], [100]])
+    cos, sin = llama_caches(hf, q, positions)
+    assert cos.dtype == dtype
+    q_embed, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    assert q_embed.dtype == dtype
+
+    def host(t):
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(BFLOAT16)
+        return t.numpy()
+
+    expected = reference.rotary_embedding(
+        host(q), host(cos)[..., :8], host(sin)[..., :8], precision="contract"
+    )
+    np.testing.assert_array_equal(host(q_embed).view(np.uint16), expected.view(np.uint16))
+
+
+def test_torch_halves_refused_and_numpy_ids(hf):
+    import torch
+
+    q = torch.zeros(1, 2, 3, 8)
+    cos = torch.ones(1, 3, 8)
+    sin = torch.zeros(1, 3, 8)
+    sin[0, 1, 2] = 0.5
+    with pytest.raises(
+        ValueError,
+        match=r"the halves of sin differ: sin\[0, 1, 2\] = 0\.5 but sin\[0, 1, 6\] = 0\.0",
+    ):
+        apply_rotary_pos_emb(q, q, cos, sin)
+    table = torch.ones(10, 8)
+    ids = np.array([[1, 2, 3]])
+    got, _ = apply_rotary_pos_emb(q + 1, q, table, torch.zeros(10, 8), ids)
+    assert torch.equal(got, q + 1)  # angle 0: unchanged
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_compiles_in_a_module_with_fullgraph(hf):
+    """A Llama-style block: transformers' rotary module, then this apply_rotary_pos_emb,
+    traced whole by torch.compile (aot_eager: the same tracing, no C++ build); its
+    halves check runs inside the op, on real data."""
+    import torch
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=32, num_attention_heads=2, head_dim=16, max_position_embeddings=64
+    )
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rotary = hf[0].LlamaRotaryEmbedding(config=config)
+            self.proj = torch.nn.Linear(32, 64)
+
+        def forward(self, x, position_ids):
+            q, k = self.proj(x).view(x.shape[0], x.shape[1], 2, 2, 16).unbind(2)
+            cos, sin = self.rotary(x, position_ids)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+            return (q * k).sum()
+
+    torch.manual_seed(0)
+    block = Block()
+    x = torch.randn(2, 5, 32)
+    ids = torch.arange(5).expand(2, 5)
+    loss = torch.compile(block, fullgraph=True, backend="aot_eager")(x, ids)
+    loss.backward()
+    grad = block.proj.weight.grad.clone()
+    block.zero_grad()
+    eager = block(x, ids)
+    eager.backward()
+    assert torch.equal(loss, eager)  # aot_eager runs the same kernels in the same order
+    assert torch.equal(grad, block.proj.weight.grad)
+
+
+def test_readme_hugging_face_example_runs(hf):
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Hugging Face (apply_rotary_pos_emb)\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert blocks
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {"numba_rope": numba_rope})

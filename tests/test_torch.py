@@ -1,0 +1,578 @@
+"""torch tensors: CPU tensors in and out of the operator (every dtype, zero-copy, out=
+and in place, strided views), and numba_rope.torch, the differentiable custom op
+(gradcheck, the gradient of an independent torch RoPE, torch.compile).
+
+Oracles: ``numba_rope.reference.rotary_embedding`` on the same data as NumPy arrays
+(``precision="contract"``: the kernels' promise, bit for bit in every dtype; it uses
+only IEEE + - * and rounding casts, the same bits on every CPU), the tests' own
+``float32_contract``, and autograd through a RoPE written here with torch operations
+(Hugging Face's rotate_half form). Skipped as a whole where torch is not installed.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from oracles import BFLOAT16, float32_contract
+
+import numba_rope
+from numba_rope import reference
+from numba_rope._cpu import backend as cpu_backend
+
+torch = pytest.importorskip("torch")
+import numba_rope.torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+NUMPY_DTYPES = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": BFLOAT16,
+    "float64": np.dtype(np.float64),
+}
+
+
+def tensor(array: np.ndarray):
+    """A torch tensor over a NumPy array's memory (bfloat16 through int16)."""
+    if array.dtype == BFLOAT16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def host(t) -> np.ndarray:
+    """A NumPy copy of a tensor's values (bfloat16 as ml_dtypes.bfloat16)."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BFLOAT16).copy()
+    return t.numpy().copy()
+
+
+def case(rng, dtype, shape=(2, 3, 5, 8), n_positions=12, half=None):
+    x = rng.standard_normal(shape).astype(dtype)
+    half = half or shape[-1] // 2
+    angles = rng.uniform(-4, 4, (n_positions, half))
+    cos, sin = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+    return x, cos, sin
+
+
+# -- torch CPU tensors through numba_rope.rotary_embedding ------------------------------
+
+
+@pytest.mark.parametrize("dtype_name", NUMPY_DTYPES)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"position_ids": "ids"},
+        {"position_offset": 3},
+        {"position_offset": "offsets", "layout": "bshd"},
+        {"position_ids": "ids", "interleaved": True, "rotary_embedding_dim": 4},
+        {"position_offset": 2, "inverse": True},
+    ],
+    ids=["ids", "offset", "offsets-bshd", "interleaved-partial", "inverse"],
+)
+def test_cpu_tensors_match_the_reference_bit_for_bit(rng, dtype_name, options):
+    dtype = NUMPY_DTYPES[dtype_name]
+    x, cos, sin = case(rng, dtype, half=options.get("rotary_embedding_dim", 8) // 2)
+    options = dict(options)
+    numpy_options = dict(options)
+    if options.get("position_ids") == "ids":
+        ids = rng.integers(0, 12, (2, 5))
+        numpy_options["position_ids"], options["position_ids"] = ids, torch.from_numpy(ids)
+    if options.get("position_offset") == "offsets":
+        offsets = np.array([0, 6])
+        numpy_options["position_offset"] = offsets
+        options["position_offset"] = torch.from_numpy(offsets)
+    if dtype != np.float32 and dtype != np.float64 and "rotary_embedding_dim" not in options:
+        cos, sin = cos.astype(np.float32), sin.astype(np.float32)  # float32 caches too
+    got = numba_rope.rotary_embedding(tensor(x), tensor(cos), tensor(sin), **options)
+    assert isinstance(got, torch.Tensor) and got.dtype == getattr(torch, dtype_name)
+    assert got.is_contiguous() and tuple(got.shape) == x.shape
+    expected = reference.rotary_embedding(x, cos, sin, precision="contract", **numpy_options)
+    np.testing.assert_array_equal(
+        host(got).view(f"u{dtype.itemsize}"), expected.view(f"u{dtype.itemsize}")
+    )
+
+
+def test_float32_contract_oracle_agrees(rng):
+    """The same call against the tests' own contract emulation (independent indexing)."""
+    x, cos, sin = case(rng, np.float32)
+    ids = rng.integers(0, 12, (2, 5))
+    got = numba_rope.rotary_embedding(tensor(x), tensor(cos), tensor(sin), torch.from_numpy(ids))
+    np.testing.assert_array_equal(host(got), float32_contract(x, cos, sin, ids))
+
+
+def _capture_backend_run(monkeypatch):
+    """Record the NumPy arrays the CPU backend receives and returns."""
+    seen: dict = {}
+    original = cpu_backend.run
+
+    def run(call, inputs, outs, cos, sin, *rest):
+        seen["inputs"], seen["outs"], seen["caches"] = inputs, outs, (cos, sin)
+        seen["results"] = original(call, inputs, outs, cos, sin, *rest)
+        return seen["results"]
+
+    monkeypatch.setattr(cpu_backend, "run", run)
+    return seen
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_no_hidden_copies(rng, monkeypatch, dtype_name):
+    """The kernel reads the tensors' own memory and writes the memory of the tensor
+    returned: views in, a view out (bfloat16 too, through int16)."""
+    dtype = NUMPY_DTYPES[dtype_name]
+    x, cos, sin = case(rng, dtype)
+    tx, tc, ts = tensor(x), tensor(cos), tensor(sin)
+    seen = _capture_backend_run(monkeypatch)
+    got = numba_rope.rotary_embedding(tx, tc, ts, position_offset=1)
+    (kernel_input,), (kernel_result,) = seen["inputs"], seen["results"]
+    assert kernel_input.ctypes.data == tx.data_ptr()
+    assert [c.ctypes.data for c in seen["caches"]] == [tc.data_ptr(), ts.data_ptr()]
+    assert got.data_ptr() == kernel_result.ctypes.data
+    kernel_result.view(np.uint8)[:] = 0  # what the kernel's memory holds, the tensor shows
+    assert not bool(got.view(torch.uint8).any())
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
+def test_out_and_in_place(rng, monkeypatch, dtype_name):
+    dtype = NUMPY_DTYPES[dtype_name]
+    x, cos, sin = case(rng, dtype)
+    expected = reference.rotary_embedding(x, cos, sin, position_offset=4, precision="contract")
+    out = torch.zeros(x.shape, dtype=getattr(torch, dtype_name))
+    pointer, version = out.data_ptr(), out._version
+    seen = _capture_backend_run(monkeypatch)
+    got = numba_rope.rotary_embedding(
+        tensor(x), tensor(cos), tensor(sin), position_offset=4, out=out
+    )
+    assert got is out and out.data_ptr() == pointer
+    assert seen["outs"][0].ctypes.data == pointer  # written through a view, not copied back
+    assert out._version > version  # as an in-place torch operation would count it
+    np.testing.assert_array_equal(host(out), expected)
+
+    tx = tensor(x.copy())
+    got = numba_rope.rotary_embedding(tx, tensor(cos), tensor(sin), position_offset=4, out=tx)
+    assert got is tx
+    assert seen["inputs"][0] is seen["outs"][0]  # one view: the kernel knows it is in place
+    np.testing.assert_array_equal(host(tx), expected)
+
+
+def test_in_place_bump_makes_a_stale_graph_fail(rng):
+    """A tensor saved for backward and then rotated in place: backward refuses, as
+    after any in-place torch operation (no silent gradient of stale values)."""
+    x, cos, sin = case(rng, np.float32)
+    w = torch.randn(x.shape, requires_grad=True)
+    t = torch.from_numpy(x.copy())
+    loss = (w * t).sum()  # saves t for w's gradient
+    numba_rope.rotary_embedding(t, tensor(cos), tensor(sin), position_offset=0, out=t)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_strided_views_and_fused_qkv_in_place(rng):
+    """Views of a fused qkv tensor (bshd), rotated in place through rotary_embedding_qk,
+    and a transposed input and output."""
+    qkv = rng.standard_normal((2, 5, 4 + 2 + 2, 8)).astype(np.float32)
+    cos, sin = case(rng, np.float32)[1:]
+    q_np, k_np = qkv[:, :, :4], qkv[:, :, 4:6]
+    expected_q = reference.rotary_embedding(
+        q_np, cos, sin, position_offset=2, layout="bshd", precision="contract"
+    )
+    expected_k = reference.rotary_embedding(
+        k_np, cos, sin, position_offset=2, layout="bshd", precision="contract"
+    )
+    t = torch.from_numpy(qkv.copy())
+    q, k = t[:, :, :4], t[:, :, 4:6]
+    got_q, got_k = numba_rope.rotary_embedding_qk(
+        q, k, tensor(cos), tensor(sin), position_offset=2, layout="bshd", out_q=q, out_k=k
+    )
+    assert got_q is q and got_k is k
+    np.testing.assert_array_equal(t[:, :, :4].numpy(), expected_q)
+    np.testing.assert_array_equal(t[:, :, 4:6].numpy(), expected_k)
+    np.testing.assert_array_equal(t[:, :, 6:].numpy(), qkv[:, :, 6:])  # v untouched
+
+    # A bhsd tensor seen as bshd through a transpose, written into a transposed out.
+    x = rng.standard_normal((2, 3, 5, 8)).astype(np.float32)
+    tx = torch.from_numpy(x).transpose(1, 2)  # [b, s, h, d], not contiguous
+    out = torch.empty(2, 3, 5, 8).transpose(1, 2)
+    numba_rope.rotary_embedding(
+        tx, tensor(cos), tensor(sin), position_offset=1, layout="bshd", out=out
+    )
+    expected = reference.rotary_embedding(x, cos, sin, position_offset=1, precision="contract")
+    np.testing.assert_array_equal(out.transpose(1, 2).numpy(), expected)
+
+
+def test_torch_and_numpy_mixed_on_the_host(rng):
+    """Both are host memory: accepted; each result is of its input's kind."""
+    x, cos, sin = case(rng, np.float32)
+    expected = reference.rotary_embedding(x, cos, sin, position_offset=0, precision="contract")
+    got = numba_rope.rotary_embedding(torch.from_numpy(x), cos, sin, position_offset=0)
+    assert isinstance(got, torch.Tensor)
+    np.testing.assert_array_equal(got.numpy(), expected)
+    got = numba_rope.rotary_embedding(x, tensor(cos), tensor(sin), position_offset=torch.tensor(0))
+    assert type(got) is np.ndarray
+    np.testing.assert_array_equal(got, expected)
+    q, k = numba_rope.rotary_embedding_qk(
+        torch.from_numpy(x), x.copy(), cos, sin, position_offset=0
+    )
+    assert isinstance(q, torch.Tensor) and type(k) is np.ndarray
+    np.testing.assert_array_equal(q.numpy(), k)
+
+
+def test_negative_and_conjugate_views(rng):
+    """A negative view as input is read as the values it means; as out it is refused
+    before anything is written."""
+    x, cos, sin = case(rng, np.float32)
+    negated = torch._neg_view(torch.from_numpy(-x))
+    assert negated.is_neg()
+    got = numba_rope.rotary_embedding(negated, tensor(cos), tensor(sin), position_offset=0)
+    expected = reference.rotary_embedding(x, cos, sin, position_offset=0, precision="contract")
+    np.testing.assert_array_equal(got.numpy(), expected)
+    out = torch._neg_view(torch.zeros(x.shape))
+    with pytest.raises(ValueError, match=r"out is a torch view with the negative bit set"):
+        numba_rope.rotary_embedding(
+            torch.from_numpy(x), tensor(cos), tensor(sin), position_offset=0, out=out
+        )
+    assert not bool(out.any())
+    complex_conj = torch.zeros(2, 3, 5, 8, dtype=torch.complex64).conj()
+    with pytest.raises(TypeError, match="complex64"):
+        numba_rope.rotary_embedding(complex_conj, tensor(cos), tensor(sin), position_offset=0)
+
+
+def test_refusals(rng):
+    x, cos, sin = case(rng, np.float32)
+    tc, ts = tensor(cos), tensor(sin)
+    grad_x = torch.from_numpy(x).requires_grad_()
+    with pytest.raises(
+        TypeError, match=r"input requires grad.*numba_rope\.torch\.rotary_embedding"
+    ):
+        numba_rope.rotary_embedding(grad_x, tc, ts, position_offset=0)
+    with torch.no_grad():  # no gradient wanted: accepted
+        got = numba_rope.rotary_embedding(grad_x, tc, ts, position_offset=0)
+    expected = reference.rotary_embedding(x, cos, sin, position_offset=0, precision="contract")
+    np.testing.assert_array_equal(got.numpy(), expected)
+    with pytest.raises(TypeError, match=r"float8_e4m3fn, which has no NumPy equivalent"):
+        numba_rope.rotary_embedding(
+            torch.zeros(2, 3, 5, 8, dtype=torch.float8_e4m3fn), tc, ts, position_offset=0
+        )
+    with pytest.raises(TypeError, match=r"layout torch\.sparse_coo.*to_dense"):
+        numba_rope.rotary_embedding(torch.from_numpy(x).to_sparse(), tc, ts, position_offset=0)
+    with pytest.raises(TypeError, match=r"torch\.Tensor on device 'meta'"):
+        numba_rope.rotary_embedding(
+            torch.empty(2, 3, 5, 8, device="meta"), tc, ts, position_offset=0
+        )
+    with pytest.raises(TypeError, match=r"input has dtype int32"):
+        numba_rope.rotary_embedding(
+            torch.zeros(2, 3, 5, 8, dtype=torch.int32), tc, ts, position_offset=0
+        )
+    out = torch.zeros(2, 3, 5, 8)
+    with pytest.raises(IndexError, match="position_ids"):
+        numba_rope.rotary_embedding(torch.from_numpy(x), tc, ts, torch.full((2, 5), 12), out=out)
+    assert not bool(out.any())  # nothing written on an error
+    with pytest.raises(ValueError, match="share"):
+        numba_rope.rotary_embedding(
+            torch.from_numpy(x), tc, ts, position_offset=0, out=torch.zeros(8).expand(2, 3, 5, 8)
+        )
+
+
+def test_import_numba_rope_imports_neither_torch_nor_cuda_and_torch_cpu_stays_off_cuda():
+    code = (
+        "import sys, numba_rope\n"
+        "assert 'torch' not in sys.modules\n"
+        "import torch\n"
+        "x = torch.ones(1, 1, 2, 4)\n"
+        "cos, sin = numba_rope.rope_cache(4, 4)\n"
+        "y = numba_rope.rotary_embedding(x, cos, sin, position_offset=0)\n"
+        "assert isinstance(y, torch.Tensor)\n"
+        "assert 'numba.cuda' not in sys.modules, 'numba.cuda imported'\n"
+        "assert 'numba_rope.torch' not in sys.modules\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+
+
+# -- numba_rope.torch: autograd --------------------------------------------------------
+
+
+def hf_style_rope(x, cos, sin, positions, rotary_dim):
+    """RoPE in torch operations, as Hugging Face writes it (bhsd, non-interleaved):
+    ``x * cos + rotate_half(x) * sin`` over the first ``rotary_dim`` channels, with
+    full-width caches gathered by position. Independent of numba_rope."""
+    c = torch.cat([cos, cos], dim=-1)[positions].unsqueeze(1)  # [b, 1, s, rotary_dim]
+    s = torch.cat([sin, sin], dim=-1)[positions].unsqueeze(1)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * c + rotated_half * s, rest], dim=-1)
+
+
+@pytest.mark.parametrize("rotary_dim", [8, 4])
+def test_gradient_equals_autograd_through_an_independent_torch_rope(rng, rotary_dim):
+    """float32, bit for bit: autograd of ``x*c + rotate_half(x)*s`` gives, per pair,
+    ``g1*c + g2*s`` and ``g2*c - g1*s`` (two products rounded, one sum rounded; the
+    negation is exact and IEEE addition commutes), which is what the inverse rotation
+    evaluates, one rounding per operation. So they agree on every CPU."""
+    x, cos, sin = case(rng, np.float32, half=rotary_dim // 2)
+    ids = rng.integers(0, 12, (2, 5))
+    g = torch.from_numpy(rng.standard_normal(x.shape).astype(np.float32))
+    ours = torch.from_numpy(x).requires_grad_()
+    theirs = torch.from_numpy(x.copy()).requires_grad_()
+    y_ours = numba_rope.torch.rotary_embedding(
+        ours, tensor(cos), tensor(sin), torch.from_numpy(ids), rotary_embedding_dim=rotary_dim
+    )
+    y_theirs = hf_style_rope(theirs, tensor(cos), tensor(sin), torch.from_numpy(ids), rotary_dim)
+    assert torch.equal(y_ours, y_theirs)  # the same products and sums forward too
+    y_ours.backward(g)
+    y_theirs.backward(g)
+    assert torch.equal(ours.grad, theirs.grad)
+
+
+def test_gradient_against_finite_differences_of_the_float64_reference(rng):
+    """The backward of float64 input against central differences of
+    numba_rope.reference (an independent float64 evaluation): the function is linear in
+    the input, so a central difference is exact up to rounding (step 1, error about
+    1e-15 per element)."""
+    x, cos, sin = case(rng, np.float64, shape=(1, 2, 3, 6), n_positions=5)
+    ids = np.array([[4, 0, 2]])
+    weights = rng.standard_normal(x.shape)
+    t = torch.from_numpy(x.copy()).requires_grad_()
+    y = numba_rope.torch.rotary_embedding(
+        t, tensor(cos), tensor(sin), torch.from_numpy(ids), interleaved=True
+    )
+    (y * torch.from_numpy(weights)).sum().backward()
+    numeric = np.empty_like(x)
+    for index in np.ndindex(x.shape):
+        step = np.zeros_like(x)
+        step[index] = 1.0
+        plus = reference.rotary_embedding(x + step, cos, sin, ids, interleaved=True)
+        minus = reference.rotary_embedding(x - step, cos, sin, ids, interleaved=True)
+        numeric[index] = ((plus - minus) * weights).sum() / 2
+    np.testing.assert_allclose(t.grad.numpy(), numeric, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"position_offset": 2},
+        {"position_offset": "offsets", "layout": "bshd", "interleaved": True},
+        {"position_ids": "ids", "rotary_embedding_dim": 4, "inverse": True},
+        {"num_heads": 2, "position_offset": 1},  # 3-D: [batch, seq, heads * head]
+    ],
+    ids=["offset", "offsets-bshd-interleaved", "ids-partial-inverse", "3d"],
+)
+def test_gradcheck_float64(rng, options):
+    """The kernels take float64 (computed in float64): torch's gradcheck compares the
+    backward with its own finite differences, and gradgradcheck the double backward."""
+    options = dict(options)
+    three_d = "num_heads" in options  # [batch, seq, heads * head] from [b, s, h, d]
+    x, cos, sin = case(rng, np.float64, shape=(2, 5, 2, 8) if three_d else (2, 3, 5, 8))
+    x = x.reshape(2, 5, 16) if three_d else x
+    if options.get("position_offset") == "offsets":
+        options["position_offset"] = torch.tensor([0, 4])
+    if options.get("position_ids") == "ids":
+        options["position_ids"] = torch.from_numpy(rng.integers(0, 12, (2, 5)))
+    if options.get("rotary_embedding_dim") == 4:
+        cos, sin = cos[:, :2], sin[:, :2]
+    tc, ts = tensor(np.ascontiguousarray(cos)), tensor(np.ascontiguousarray(sin))
+
+    def rope(t):
+        return numba_rope.torch.rotary_embedding(t, tc, ts, **options)
+
+    t = torch.from_numpy(x).requires_grad_()
+    assert torch.autograd.gradcheck(rope, (t,))
+    assert torch.autograd.gradgradcheck(rope, (t,))
+
+
+def test_qk_gradients_with_grouped_query_attention_and_one_unused(rng):
+    x, cos, sin = case(rng, np.float64, shape=(2, 5, 4, 8))
+    k_np = rng.standard_normal((2, 5, 2, 8))
+    tc, ts = tensor(cos), tensor(sin)
+    q = torch.from_numpy(x).requires_grad_()
+    k = torch.from_numpy(k_np).requires_grad_()
+
+    def rope(q, k):
+        return numba_rope.torch.rotary_embedding_qk(q, k, tc, ts, position_offset=3, layout="bshd")
+
+    assert torch.autograd.gradcheck(rope, (q, k))
+    q_out, _ = rope(q, k)  # k's output unused: torch hands backward zeros for it
+    q_out.sum().backward()
+    assert not bool(k.grad.any())
+    expected = numba_rope.rotary_embedding(
+        np.ones_like(x), cos, sin, position_offset=3, layout="bshd", inverse=True
+    )
+    np.testing.assert_array_equal(q.grad.numpy(), expected)
+
+
+def test_cache_gradients_are_refused(rng):
+    x, cos, sin = case(rng, np.float32)
+    tc = tensor(cos).requires_grad_()
+    with pytest.raises(NotImplementedError, match=r"cos_cache\.detach\(\)"):
+        numba_rope.torch.rotary_embedding(torch.from_numpy(x), tc, tensor(sin), position_offset=0)
+    with torch.no_grad():
+        numba_rope.torch.rotary_embedding(torch.from_numpy(x), tc, tensor(sin), position_offset=0)
+    # Through the op itself (no wrapper check): refused at backward, not a silent None.
+    y = torch.ops.numba_rope.rotary_embedding(
+        torch.from_numpy(x), tc, tensor(sin), None, 0, None, False, 0, "bhsd", None, False, False
+    )
+    with pytest.raises(NotImplementedError, match="cos_cache"):
+        y.sum().backward()
+
+
+def test_numpy_caches_and_16_bit_results(rng):
+    """numba_rope.torch takes NumPy caches (bfloat16 too) and keeps the contract."""
+    x, cos, sin = case(rng, BFLOAT16)
+    t = tensor(x).clone().requires_grad_()
+    got = numba_rope.torch.rotary_embedding(t, cos, sin, position_offset=np.int64(1))
+    expected = reference.rotary_embedding(x, cos, sin, position_offset=1, precision="contract")
+    np.testing.assert_array_equal(host(got), expected)
+    with pytest.raises(TypeError, match=r"numba_rope\.torch takes torch tensors"):
+        numba_rope.torch.rotary_embedding(x, cos, sin, position_offset=0)
+
+
+def test_opcheck(rng):
+    """torch's own checks of a custom op: schema, fake (meta) implementation against
+    the real one, autograd registration, and what torch.compile relies on."""
+    x, cos, sin = case(rng, np.float32)
+    args = (torch.from_numpy(x).requires_grad_(), tensor(cos), tensor(sin))
+    one = (
+        *args,
+        torch.from_numpy(rng.integers(0, 12, (2, 5))),
+        None,
+        None,
+        False,
+        0,
+        "bhsd",
+        None,
+        False,
+        False,
+    )
+    torch.library.opcheck(torch.ops.numba_rope.rotary_embedding.default, one)
+    k = torch.from_numpy(rng.standard_normal((2, 1, 5, 8)).astype(np.float32)).requires_grad_()
+    two = (
+        args[0],
+        k,
+        *args[1:],
+        None,
+        None,
+        torch.tensor([0, 3]),
+        True,
+        0,
+        "bhsd",
+        None,
+        None,
+        False,
+        False,
+    )
+    torch.library.opcheck(torch.ops.numba_rope.rotary_embedding_qk.default, two)
+
+
+class _Attention(torch.nn.Module):
+    """A tiny attention block that rotates q and k with numba_rope.torch."""
+
+    def __init__(self, cos, sin):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 3 * 2 * 8)
+        self.register_buffer("cos", cos)
+        self.register_buffer("sin", sin)
+
+    def forward(self, x, offsets):
+        b, s, _ = x.shape
+        q, k, v = self.proj(x).view(b, s, 3, 2, 8).unbind(2)
+        q, k = numba_rope.torch.rotary_embedding_qk(
+            q, k, self.cos, self.sin, position_offset=offsets, layout="bshd"
+        )
+        attention = torch.einsum("bshd,bthd->bhst", q, k).softmax(-1)
+        return torch.einsum("bhst,bthd->bshd", attention, v).sum()
+
+
+def _compiled_matches_eager(device: str) -> None:
+    torch.manual_seed(0)
+    cos, sin = (torch.from_numpy(c).to(device) for c in numba_rope.rope_cache(32, 8))
+    model = _Attention(cos, sin).to(device)
+    x = torch.randn(2, 5, 16, device=device)
+    offsets = torch.tensor([0, 9], device=device)
+    compiled = torch.compile(model, fullgraph=True)  # inductor: fails if it cannot trace
+    loss = compiled(x, offsets)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    eager = model(x, offsets)
+    eager.backward()
+    # Inductor may fuse and reorder the float32 linear algebra around the op
+    # (einsum, softmax): a few float32 ulps of loss-sized values.
+    torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, [p.grad for p in model.parameters()], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# Inductor's own imports use torch.jit.script_method, which torch 2.13 deprecates.
+COMPILE_WARNINGS = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"
+)
+
+
+@COMPILE_WARNINGS
+def test_torch_compile_fullgraph_on_the_cpu():
+    torch._dynamo.reset()
+    _compiled_matches_eager("cpu")
+
+
+@COMPILE_WARNINGS
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with an NVIDIA GPU")
+def test_torch_compile_fullgraph_on_the_gpu():  # pragma: no cover - CI has no GPU
+    torch._dynamo.reset()
+    _compiled_matches_eager("cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with an NVIDIA GPU")
+def test_gradient_on_the_gpu(rng):  # pragma: no cover - CI has no GPU
+    x, cos, sin = case(rng, np.float32)
+    t = torch.from_numpy(x).cuda().requires_grad_()
+    y = numba_rope.torch.rotary_embedding(
+        t, tensor(cos).cuda(), tensor(sin).cuda(), position_offset=2
+    )
+    y.backward(torch.ones_like(y))
+    expected = numba_rope.rotary_embedding(
+        np.ones_like(x), cos, sin, position_offset=2, inverse=True
+    )
+    # The GPU may contract into FMA: one float32 ulp at the scale of the terms (|c|, |s| <= 1).
+    np.testing.assert_allclose(t.grad.cpu().numpy(), expected, rtol=0, atol=4 * 2.0**-23)
+
+
+def test_readme_pytorch_example_runs():
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## PyTorch\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert blocks
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})
+
+
+def test_inference_tensors_parameters_and_subclasses(rng):
+    """Inference-mode tensors (no version counter), an nn.Parameter under no_grad, and
+    a user's subclass of torch.Tensor (recognised by its torch base) all run on the CPU."""
+    x, cos, sin = case(rng, np.float32)
+    expected = reference.rotary_embedding(x, cos, sin, position_offset=1, precision="contract")
+    with torch.inference_mode():
+        t = torch.from_numpy(x.copy())
+        assert (
+            numba_rope.rotary_embedding(t, tensor(cos), tensor(sin), position_offset=1, out=t) is t
+        )
+    np.testing.assert_array_equal(t.numpy(), expected)
+    with torch.no_grad():
+        got = numba_rope.rotary_embedding(
+            torch.nn.Parameter(torch.from_numpy(x)), tensor(cos), tensor(sin), position_offset=1
+        )
+    np.testing.assert_array_equal(got.numpy(), expected)
+
+    class Mine(torch.Tensor):
+        pass
+
+    got = numba_rope.rotary_embedding(
+        torch.from_numpy(x).as_subclass(Mine), tensor(cos), tensor(sin), position_offset=1
+    )
+    np.testing.assert_array_equal(got.numpy(), expected)
