@@ -1,0 +1,100 @@
+"""The serving drop-ins (numba_rope.vllm, numba_rope.flash_attn) on torch CPU tensors,
+end to end: torch tensors in, torch tensors out (in place through views of a fused
+qkv tensor), against the float32 contract of numba_rope.reference bit for bit (the
+same oracles as tests/test_vllm.py and tests/test_flash_attn.py, on NumPy copies of the
+tensors' values)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from oracles import BFLOAT16, assert_bitwise_equal
+from test_flash_attn import varlen_contract
+from test_vllm import contract
+
+from numba_rope import flash_attn, vllm
+
+torch = pytest.importorskip("torch")
+
+
+def tensor(array: np.ndarray):
+    """A torch tensor over a NumPy array's memory (bfloat16 through int16)."""
+    if array.dtype == BFLOAT16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def values(t) -> np.ndarray:
+    """A NumPy copy of a tensor's values (bfloat16 as ml_dtypes.bfloat16)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().copy().view(BFLOAT16)
+    return t.numpy().copy()
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BFLOAT16], ids=str)
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_vllm_op_in_place_on_a_fused_qkv_tensor(rng, dtype, is_neox):
+    num_tokens, heads, kv_heads, head_size = 6, 4, 2, 8
+    qkv = rng.standard_normal((num_tokens, (heads + 2 * kv_heads) * head_size)).astype(dtype)
+    q_end, k_end = heads * head_size, (heads + kv_heads) * head_size
+    cache = vllm.make_cos_sin_cache(32, 6, dtype=np.float32)
+    positions = rng.integers(0, 32, num_tokens)
+    want_q = contract(positions, qkv[:, :q_end], head_size, cache, is_neox)
+    want_k = contract(positions, qkv[:, q_end:k_end], head_size, cache, is_neox)
+    v_before = qkv[:, k_end:].copy()
+    work = tensor(qkv.copy())  # the fused projection's output, as a torch tensor
+    query, key = work[:, :q_end], work[:, q_end:k_end]
+    assert (
+        vllm.rotary_embedding(
+            torch.from_numpy(positions), query, key, head_size, torch.from_numpy(cache), is_neox
+        )
+        is None
+    )
+    result = values(work)
+    assert_bitwise_equal(result[:, :q_end], want_q)
+    assert_bitwise_equal(result[:, q_end:k_end], want_k)
+    assert_bitwise_equal(result[:, k_end:], v_before)
+
+
+def test_vllm_forward_native_returns_new_tensors(rng):
+    query = rng.standard_normal((5, 3 * 8)).astype(np.float32)
+    key = rng.standard_normal((5, 8)).astype(np.float32)
+    cache = vllm.make_cos_sin_cache(16, 8, dtype=np.float32)
+    positions = np.array([3, 0, 15, 7, 7])
+    q_in, k_in = tensor(query.copy()), tensor(key.copy())
+    got_q, got_k = vllm.forward_native(
+        torch.from_numpy(positions), q_in, k_in, 8, tensor(cache), True
+    )
+    assert isinstance(got_q, torch.Tensor) and isinstance(got_k, torch.Tensor)
+    assert got_q.shape == q_in.shape and got_k.shape == k_in.shape
+    assert_bitwise_equal(values(got_q), contract(positions, query, 8, cache, True))
+    assert_bitwise_equal(values(got_k), contract(positions, key, 8, cache, True))
+    assert_bitwise_equal(values(q_in), query)  # inputs untouched
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["new", "inplace"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_flash_attn_varlen_with_torch_tensors(rng, interleaved, inplace):
+    lengths = [3, 0, 5, 2]
+    cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    offsets = np.array([0, 4, 1, 9])
+    x = rng.standard_normal((int(cu_seqlens[-1]), 2, 8)).astype(np.float32)
+    cos = rng.uniform(-1, 1, (16, 3)).astype(np.float32)
+    sin = rng.uniform(-1, 1, (16, 3)).astype(np.float32)
+    want = varlen_contract(x, cos, sin, cu_seqlens, offsets, interleaved)
+    x_t = tensor(x.copy())
+    got = flash_attn.apply_rotary_emb(
+        x_t,
+        tensor(cos),
+        tensor(sin),
+        interleaved=interleaved,
+        inplace=inplace,
+        seqlen_offsets=torch.from_numpy(offsets),
+        cu_seqlens=torch.from_numpy(cu_seqlens),
+        max_seqlen=max(lengths),
+    )
+    assert isinstance(got, torch.Tensor)
+    assert (got is x_t) == inplace
+    assert_bitwise_equal(values(got), want)
+    if not inplace:
+        assert_bitwise_equal(values(x_t), x)
