@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from numba_rope._cpu import backend as cpu_backend
-from numba_rope._dispatch import backend_for, is_scalar
+from numba_rope._cpu import torch_host
+from numba_rope._dispatch import backend_for, is_scalar, library
 from numba_rope._validation import QK_NAMES, SINGLE_NAMES, check_call, check_flag
 from numba_rope.typing import Array, ArrayT, PositionIds, PositionOffset
 
@@ -127,6 +128,24 @@ def rotary_embedding(
     array([[ 1.,  1.,  1.,  1.],
            [-1.,  1.,  1.,  1.]], dtype=float32)
     """
+    if type(input) is not np.ndarray and stream is None:
+        views = _torch_host_views(
+            (input, cos_cache, sin_cache, position_ids, out, position_offset),
+            ("input", "cos_cache", "sin_cache", "position_ids", "out", "position_offset"),
+        )
+        if views is not None:  # torch CPU tensors: the NumPy call on their memory
+            result = rotary_embedding(
+                *views[:4],
+                interleaved=interleaved,
+                rotary_embedding_dim=rotary_embedding_dim,
+                out=views[4],
+                layout=layout,
+                num_heads=num_heads,
+                position_offset=views[5],
+                inverse=inverse,
+                check_position_ids=check_position_ids,
+            )
+            return torch_host.as_results((input,), (out,), (result,))[0]
     key = None
     if type(input) is np.ndarray and (check_position_ids is True or check_position_ids is False):
         # A NumPy call whose signature was validated before runs its plan directly.
@@ -168,6 +187,42 @@ def rotary_embedding(
         check_position_ids,
         key,
     )[0]
+
+
+#: The array arguments of rotary_embedding_qk, by name, in its order.
+QK_ARGUMENTS = (
+    "q",
+    "k",
+    "cos_cache",
+    "sin_cache",
+    "position_ids",
+    "out_q",
+    "out_k",
+    "position_offset",
+)
+
+
+def _torch_host_views(arguments: tuple, names: tuple[str, ...]) -> tuple | None:
+    """The arguments of a call whose input is a torch CPU tensor, each torch CPU tensor
+    as a NumPy view of its memory (one view per tensor object, so that ``out=x`` stays
+    in place), or None when an argument is neither that, a NumPy array nor a scalar
+    (GPU arrays, ndarray subclasses: the general path names them). The NumPy call on
+    the views then takes the remembered plans of small calls too."""
+    if library(arguments[0]) != "torch_cpu":
+        return None
+    views: dict[int, Any] = {}
+    converted = []
+    for argument, name in zip(arguments, names, strict=True):
+        if argument is None or type(argument) is np.ndarray or is_scalar(argument):
+            converted.append(argument)
+            continue
+        if library(argument) != "torch_cpu":
+            return None
+        view = views.get(id(argument))
+        if view is None:
+            view = views[id(argument)] = torch_host.host_view(argument, name)
+        converted.append(view)
+    return tuple(converted)
 
 
 def _rotate(
@@ -283,6 +338,26 @@ position_offset, inverse, stream, check_position_ids
     >>> bool(np.array_equal(qkv[..., :8], expected_q))
     True
     """
+    if type(q) is not np.ndarray and stream is None:
+        views = _torch_host_views(
+            (q, k, cos_cache, sin_cache, position_ids, out_q, out_k, position_offset),
+            QK_ARGUMENTS,
+        )
+        if views is not None:  # torch CPU tensors: the NumPy call on their memory
+            results = rotary_embedding_qk(
+                *views[:5],
+                interleaved=interleaved,
+                rotary_embedding_dim=rotary_embedding_dim,
+                layout=layout,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                position_offset=views[7],
+                inverse=inverse,
+                out_q=views[5],
+                out_k=views[6],
+                check_position_ids=check_position_ids,
+            )
+            return torch_host.as_results((q, k), (out_q, out_k), results)
     key = None
     if (
         type(q) is np.ndarray

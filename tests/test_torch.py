@@ -106,9 +106,12 @@ def test_float32_contract_oracle_agrees(rng):
 
 
 def _capture_backend_run(monkeypatch):
-    """Record the NumPy arrays the CPU backend receives and returns."""
+    """Record the NumPy arrays the CPU backend receives and returns (every call through
+    the general path: no remembered plans)."""
     seen: dict = {}
     original = cpu_backend.run
+    monkeypatch.setattr(cpu_backend, "PLANS", {})
+    monkeypatch.setattr(cpu_backend, "remember_plan", lambda key, plan: None)
 
     def run(call, inputs, outs, cos, sin, *rest):
         seen["inputs"], seen["outs"], seen["caches"] = inputs, outs, (cos, sin)
@@ -157,6 +160,33 @@ def test_out_and_in_place(rng, monkeypatch, dtype_name):
     assert got is tx
     assert seen["inputs"][0] is seen["outs"][0]  # one view: the kernel knows it is in place
     np.testing.assert_array_equal(host(tx), expected)
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_repeated_small_calls_take_the_plans_of_numpy_calls(rng, monkeypatch, dtype_name):
+    """torch CPU calls run as the NumPy call on the tensors' memory: a signature seen
+    before takes its remembered plan (no general path), and still writes the tensors'
+    own memory, in place and into out=, with the contract's bits."""
+    dtype = NUMPY_DTYPES[dtype_name]
+    x, cos, sin = case(rng, dtype)
+    expected = reference.rotary_embedding(x, cos, sin, position_offset=2, precision="contract")
+    tc, ts = tensor(cos), tensor(sin)
+    numba_rope.rotary_embedding(tensor(x.copy()), tc, ts, position_offset=2)  # a plan now
+    out = torch.zeros(x.shape, dtype=getattr(torch, dtype_name))
+    numba_rope.rotary_embedding(tensor(x.copy()), tc, ts, position_offset=2, out=out)
+    general = []
+    monkeypatch.setattr(cpu_backend, "run", lambda *args: general.append(args))
+    version = out._version
+    got = numba_rope.rotary_embedding(tensor(x), tc, ts, position_offset=2, out=out)
+    assert got is out and out._version > version
+    np.testing.assert_array_equal(host(out), expected)
+    allocated = numba_rope.rotary_embedding(tensor(x), tc, ts, position_offset=2)
+    assert isinstance(allocated, torch.Tensor)
+    np.testing.assert_array_equal(host(allocated), expected)
+    work = tensor(x.copy())
+    assert numba_rope.rotary_embedding(work, tc, ts, position_offset=2, out=work) is work
+    np.testing.assert_array_equal(host(work), expected)
+    assert general == []  # every call above ran a plan
 
 
 def test_in_place_bump_makes_a_stale_graph_fail(rng):

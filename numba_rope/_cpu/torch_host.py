@@ -144,20 +144,27 @@ class TorchHostBackend:
             host(position_offset),
             check_position_ids,
         )
-        returned = []
-        for x, out, result in zip(inputs, outs, results, strict=True):
-            if out is not None:
-                if id(out) in self._views:
-                    _bump_version(out)
-                returned.append(out)
-            elif id(x) in self._views:
-                returned.append(tensor_over(result))
-            else:
-                returned.append(result)  # a NumPy input: a NumPy result
-        return tuple(returned)
+        return as_results(inputs, outs, results)
 
 
-def _bump_version(tensor: Any) -> None:
+def as_results(inputs: tuple, outs: tuple, results: tuple) -> tuple:
+    """Each result of a call run on NumPy views as its input's kind: ``out`` itself
+    when given (a torch ``out`` has its version counter bumped), else a torch tensor
+    over the result's memory for a torch input, the NumPy result for a NumPy input."""
+    returned = []
+    for x, out, result in zip(inputs, outs, results, strict=True):
+        if out is not None:
+            if not isinstance(out, np.ndarray):
+                bump_version(out)
+            returned.append(out)
+        elif not isinstance(x, np.ndarray):
+            returned.append(tensor_over(result))
+        else:
+            returned.append(result)  # a NumPy input: a NumPy result
+    return tuple(returned)
+
+
+def bump_version(tensor: Any) -> None:
     """Count a write through the NumPy view as an in-place torch operation would (an
     inference tensor has no version counter)."""
     import torch
