@@ -59,7 +59,8 @@ def apply_rotary_pos_emb(
     position_ids : optional
         Ignored with 3-D cos/sin, as transformers 4.x ignores it (transformers 5 dropped
         it); with 2-D caches ``[max_position, rotary_dim]`` (the form of transformers
-        before 4.38, ``cos[position_ids]``), the ``[batch, seq_len]`` row of each token.
+        before 4.38, ``cos[position_ids]``), the ``[batch, seq_len]`` row of each token
+        (``[1, seq_len]``: the same rows for every sequence, broadcast as there).
     unsqueeze_dim : {1, 2}
         The axis of q and k that holds the heads (-3 and -2 are accepted as 1 and 2).
 
@@ -137,6 +138,11 @@ def apply_rotary_pos_emb(
                 f"[batch, seq_len, rotary_dim])"
             )
         ids = position_ids
+        if len(ids.shape) == 2 and ids.shape[0] == 1 and q.shape[0] != 1:
+            # One row for the batch (transformers' arange(...).unsqueeze(0)), broadcast
+            # as cos[position_ids] was there: a view.
+            rows = (q.shape[0], ids.shape[1])
+            ids = ids.expand(rows) if _is_torch(ids) else np.broadcast_to(ids, rows)
     elif cos.shape[0] == 1 and q.shape[0] != 1:  # one table for the batch: a view
         batch = (q.shape[0], *cos.shape[1:])
         cos, sin = (
