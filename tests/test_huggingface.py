@@ -306,7 +306,11 @@ def test_one_row_of_position_ids_serves_the_batch(hf, unsqueeze_dim):
     layout = "bhsd" if unsqueeze_dim == 1 else "bshd"
     rows = np.broadcast_to(ids.numpy(), (batch, seq_len))
     expected = reference.rotary_embedding(
-        q.numpy(), cos.numpy()[:, :8], sin.numpy()[:, :8], rows, layout=layout,
+        q.numpy(),
+        cos.numpy()[:, :8],
+        sin.numpy()[:, :8],
+        rows,
+        layout=layout,
         precision="contract",
     )
     np.testing.assert_array_equal(got_q, expected)
