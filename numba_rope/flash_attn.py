@@ -370,6 +370,13 @@ def _checked_offsets(seqlen_offsets: Any, batch: int, lengths: np.ndarray, rows:
         name = None
     for b in range(batch):  # object arithmetic: no overflow, whatever the offsets
         length, offset = int(lengths[b]), offsets[b]
+        if length > rows:
+            raise IndexError(
+                f"sequence {b} (length {length}) is longer than cos and sin, which have "
+                f"{rows} rows (seqlen_ro): seqlen_ro >= seqlen is needed, as in flash-attn, "
+                f"whatever the offset; build longer caches "
+                f"(numba_rope.rope_cache(max_position, rotary_dim))"
+            )
         if length and not 0 <= offset <= rows - length:
             where = name or f"seqlen_offsets[{b}]"
             raise IndexError(

@@ -55,11 +55,13 @@ def apply_rotary_pos_emb(
         the batch), as transformers' rotary modules return them: full width, the two
         halves equal. ``rotary_dim`` smaller than ``head_dim`` is partial rotary (GPT-NeoX,
         Phi): the first ``rotary_dim`` channels rotate, the rest pass through. Same dtype
-        as q, or float32 for 16-bit q.
+        as q, or float32 for 16-bit q. NumPy caches serve torch q and k too (taken as
+        tensors over their memory).
     position_ids : optional
         Ignored with 3-D cos/sin, as transformers 4.x ignores it (transformers 5 dropped
         it); with 2-D caches ``[max_position, rotary_dim]`` (the form of transformers
-        before 4.38, ``cos[position_ids]``), the ``[batch, seq_len]`` row of each token.
+        before 4.38, ``cos[position_ids]``), the ``[batch, seq_len]`` row of each token
+        (``[1, seq_len]``: the same rows for every sequence, broadcast as there).
     unsqueeze_dim : {1, 2}
         The axis of q and k that holds the heads (-3 and -2 are accepted as 1 and 2).
 
@@ -137,6 +139,11 @@ def apply_rotary_pos_emb(
                 f"[batch, seq_len, rotary_dim])"
             )
         ids = position_ids
+        if len(ids.shape) == 2 and ids.shape[0] == 1 and q.shape[0] != 1:
+            # One row for the batch (transformers' arange(...).unsqueeze(0)), broadcast
+            # as cos[position_ids] was there: a view.
+            rows = (q.shape[0], ids.shape[1])
+            ids = ids.expand(rows) if _is_torch(ids) else np.broadcast_to(ids, rows)
     elif cos.shape[0] == 1 and q.shape[0] != 1:  # one table for the batch: a view
         batch = (q.shape[0], *cos.shape[1:])
         cos, sin = (
@@ -148,8 +155,20 @@ def apply_rotary_pos_emb(
     if _is_torch(q):
         import torch
 
-        import numba_rope.torch  # noqa: F401 - registers the ops
+        import numba_rope.torch  # registers the ops
 
+        if not (_is_torch(cos) and _is_torch(sin)):
+            # NumPy caches (rope_cache's, written twice): halved here, on the host, and
+            # taken by numba_rope.torch as tensors over their memory.
+            return numba_rope.torch.rotary_embedding_qk(
+                q,
+                k,
+                first_half(cos, "cos"),
+                first_half(sin, "sin"),
+                ids,
+                rotary_embedding_dim=rotary_dim,
+                layout=layout,
+            )
         if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
             raise NotImplementedError(
                 "numba_rope differentiates with respect to q and k only; cos and sin "

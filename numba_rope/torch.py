@@ -31,6 +31,7 @@ Examples
 True
 """
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -218,10 +219,14 @@ def _tensor(array: Any, like: Tensor) -> Any:
     if array is None or isinstance(array, Tensor):
         return array
     if isinstance(array, np.ndarray):
-        if array.dtype.kind == "V" and array.dtype.itemsize == 2:  # ml_dtypes.bfloat16
-            tensor = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-        else:
-            tensor = torch.from_numpy(array)
+        with warnings.catch_warnings():
+            # A read-only array (np.broadcast_to, a read-only memmap) is only read here;
+            # torch warns that it cannot guard it against writes.
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            if array.dtype.kind == "V" and array.dtype.itemsize == 2:  # ml_dtypes.bfloat16
+                tensor = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+            else:
+                tensor = torch.from_numpy(array)
         return tensor.to(like.device)
     raise TypeError(
         f"numba_rope.torch takes torch tensors (or NumPy caches and positions), got a "

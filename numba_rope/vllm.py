@@ -133,6 +133,7 @@ class RotaryEmbedding:
     :func:`make_cos_sin_cache` (a NumPy array; assign a GPU copy, e.g.
     ``torch.as_tensor(rope.cos_sin_cache, device="cuda")``, to rotate GPU arrays).
 
+    ``dtype``: the cache's, a NumPy dtype or (as vLLM takes it) a ``torch.dtype``.
     ``forward_native(positions, query, key=None)`` returns new arrays;
     ``forward(positions, query, key=None)`` rotates in place and returns ``(query, key)``,
     as vLLM's ``forward_cuda``.
@@ -213,8 +214,24 @@ def make_cos_sin_cache(
     >>> cache[:, 0].round(4), cache[:, 1].round(4)  # cos(p) and sin(p): inv_freq = 1
     (array([ 1.    ,  0.5403, -0.4161, -0.99  ], dtype=float32), array([0.    , 0.8415, 0.9093, 0.1411], dtype=float32))
     """
-    cos, sin = rope_cache(max_position, rotary_dim, base=base, scaling=scaling, dtype=dtype)
+    cos, sin = rope_cache(
+        max_position, rotary_dim, base=base, scaling=scaling, dtype=_numpy_dtype(dtype)
+    )
     return np.concatenate([cos, sin], axis=-1)
+
+
+def _numpy_dtype(dtype: Any) -> Any:
+    """vLLM passes a ``torch.dtype`` (the model's): the NumPy dtype of its name
+    (``torch.bfloat16`` as ``ml_dtypes.bfloat16``); anything else as it is."""
+    module = type(dtype).__module__ or ""
+    if module != "torch" and not module.startswith("torch."):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return name if name in ("float32", "float16", "float64") else dtype
 
 
 # -- from vLLM's forms to the operator's --------------------------------------------------

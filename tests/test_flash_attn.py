@@ -436,6 +436,14 @@ def test_bad_varlen_calls_raise_and_write_nothing(rng, keywords, error, words):
             ["seqlen_offsets[1] = 6"],
         ),
         ((2, 4, 2, 8), (8, 4), (8, 4), {"seqlen_offsets": np.array([0])}, ValueError, ["(2,)"]),
+        (  # longer than the caches whatever the offset: no "[0, -4]" range
+            (1, 12, 2, 8),
+            (8, 4),
+            (8, 4),
+            {},
+            IndexError,
+            ["sequence 0 (length 12)", "8 rows", "seqlen_ro >= seqlen"],
+        ),
         (
             (1, 4, 2, 8),
             (8, 5),

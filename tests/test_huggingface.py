@@ -271,3 +271,74 @@ def test_readme_hugging_face_example_runs(hf):
     assert blocks
     for block in blocks:
         exec(compile(block, "README.md", "exec"), {"numba_rope": numba_rope})
+
+
+# -- review findings: forms a port from transformers passes ------------------------------
+
+
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_one_row_of_position_ids_serves_the_batch(hf, unsqueeze_dim):
+    """transformers before 4.38 gathered ``cos[position_ids]`` inside, and its models
+    made ``position_ids = arange(past, past + seq_len).unsqueeze(0)``: one row ``[1,
+    seq_len]`` for a batch of any size, broadcast. The oracle is transformers' own
+    function on the gathered caches (float32 bit for bit, see the module docstring)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(5)
+    batch, seq_len = 3, 4
+    q_shape = (batch, 4, seq_len, 16) if unsqueeze_dim == 1 else (batch, seq_len, 4, 16)
+    k_shape = (batch, 2, seq_len, 16) if unsqueeze_dim == 1 else (batch, seq_len, 2, 16)
+    q = torch.randn(q_shape, generator=generator)
+    k = torch.randn(k_shape, generator=generator)
+    freqs = torch.rand(32, 8, generator=generator) * 40 - 20
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos(), emb.sin()  # [max_position, head_dim]
+    ids = torch.arange(7, 7 + seq_len)[None]  # [1, seq_len]
+    got = apply_rotary_pos_emb(q, k, cos, sin, ids, unsqueeze_dim=unsqueeze_dim)
+    want = hf[0].apply_rotary_pos_emb(q, k, cos[ids], sin[ids], unsqueeze_dim=unsqueeze_dim)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        assert torch.equal(a, b)
+    # NumPy too, against the float64 reference's contract on the gathered rows.
+    got_q, _ = apply_rotary_pos_emb(
+        q.numpy(), k.numpy(), cos.numpy(), sin.numpy(), ids.numpy(), unsqueeze_dim=unsqueeze_dim
+    )
+    layout = "bhsd" if unsqueeze_dim == 1 else "bshd"
+    rows = np.broadcast_to(ids.numpy(), (batch, seq_len))
+    expected = reference.rotary_embedding(
+        q.numpy(),
+        cos.numpy()[:, :8],
+        sin.numpy()[:, :8],
+        rows,
+        layout=layout,
+        precision="contract",
+    )
+    np.testing.assert_array_equal(got_q, expected)
+
+
+def test_torch_tokens_with_numpy_caches(hf):
+    """torch q and k with NumPy caches (numba_rope.rope_cache's, written twice as
+    transformers does): the NumPy path takes torch caches, so the torch path takes NumPy
+    ones; the result is transformers' on the same caches as tensors, bit for bit."""
+    import torch
+
+    generator = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 4, 5, 8, generator=generator)
+    k = torch.randn(2, 2, 5, 8, generator=generator)
+    half_cos, half_sin = numba_rope.rope_cache(5, 8)
+    cos = np.concatenate([half_cos, half_cos], axis=-1)[None]  # [1, seq_len, head_dim]
+    sin = np.concatenate([half_sin, half_sin], axis=-1)[None]
+    got = apply_rotary_pos_emb(q, k, cos, sin)
+    want = hf[0].apply_rotary_pos_emb(q, k, torch.from_numpy(cos), torch.from_numpy(sin))
+    for a, b in zip(got, want, strict=True):
+        assert isinstance(a, torch.Tensor)
+        assert torch.equal(a, b)
+    # Differentiable with respect to q and k as with torch caches.
+    q_grad = q.clone().requires_grad_()
+    out_q, _ = apply_rotary_pos_emb(q_grad, k, cos, sin)
+    out_q.sum().backward()
+    theirs = q.clone().requires_grad_()
+    hf[0].apply_rotary_pos_emb(theirs, k, torch.from_numpy(cos), torch.from_numpy(sin))[
+        0
+    ].sum().backward()
+    assert torch.equal(q_grad.grad, theirs.grad)

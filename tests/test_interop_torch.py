@@ -98,3 +98,21 @@ def test_flash_attn_varlen_with_torch_tensors(rng, interleaved, inplace):
     assert_bitwise_equal(values(got), want)
     if not inplace:
         assert_bitwise_equal(values(x_t), x)
+
+
+@pytest.mark.parametrize("name", ["float32", "float16", "bfloat16", "float64"])
+def test_vllm_module_takes_a_torch_dtype(rng, name):
+    """vLLM's ``RotaryEmbedding(head_size, rotary_dim, max_position_embeddings, base,
+    is_neox_style, dtype)`` takes a ``torch.dtype`` (the model's): the cache is the one
+    of the NumPy dtype of that name, bit for bit, and rotates tokens of that dtype."""
+    numpy_dtype = BFLOAT16 if name == "bfloat16" else np.dtype(name)
+    rope = vllm.RotaryEmbedding(8, 6, 32, 10000.0, True, getattr(torch, name))
+    want_cache = vllm.make_cos_sin_cache(32, 6, dtype=numpy_dtype)
+    assert_bitwise_equal(np.asarray(rope.cos_sin_cache), want_cache)
+    query = rng.standard_normal((5, 2 * 8)).astype(numpy_dtype)
+    positions = np.array([0, 31, 4, 4, 9])
+    got, _ = rope.forward_native(torch.from_numpy(positions), tensor(query))
+    assert got.dtype == getattr(torch, name)
+    assert_bitwise_equal(values(got), contract(positions, query, 8, want_cache, True))
+    with pytest.raises(TypeError, match=r"dtype must be one of .*torch\.int32"):
+        vllm.RotaryEmbedding(8, 6, 32, 10000.0, True, torch.int32)

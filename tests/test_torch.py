@@ -606,3 +606,21 @@ def test_inference_tensors_parameters_and_subclasses(rng):
         torch.from_numpy(x).as_subclass(Mine), tensor(cos), tensor(sin), position_offset=1
     )
     np.testing.assert_array_equal(got.numpy(), expected)
+
+
+def test_read_only_numpy_caches_and_positions(rng):
+    """Read-only NumPy caches and positions (``np.broadcast_to`` views, a read-only
+    memmap, ``rope_cache``'s arrays made immutable) are only read: they are taken as
+    they are, with no warning (torch warns when it wraps a non-writable array), and
+    give the reference's float32 contract."""
+    import torch
+
+    cos, sin = numba_rope.rope_cache(16, 8)
+    cos.flags.writeable = False
+    sin.flags.writeable = False
+    ids = np.broadcast_to(np.array([[3, 1, 4]]), (2, 3))
+    x = rng.standard_normal((2, 2, 3, 8)).astype(np.float32)
+    got = numba_rope.torch.rotary_embedding(torch.from_numpy(x), cos, sin, ids)
+    np.testing.assert_array_equal(
+        got.numpy(), reference.rotary_embedding(x, cos, sin, ids, precision="contract")
+    )
