@@ -120,7 +120,7 @@ def check_dtype(dtype: np.dtype, name: str = "input") -> str:
         raise TypeError(
             f"{name} has dtype {dtype.name}; rotary_embedding accepts "
             f"{', '.join(INPUT_DTYPES)} (bfloat16 as ml_dtypes.bfloat16); convert it with "
-            f".astype(np.float32)"
+            f".astype(np.float32) (NumPy) or .float() (torch)"
         )
     return dtype.name
 
@@ -280,7 +280,9 @@ def _check_caches(cos, sin, dtype_name: str):
     if cos_dtype.name not in allowed:
         raise TypeError(
             f"caches of dtype {cos_dtype.name} cannot be used with {dtype_name} input; "
-            f"accepted cache dtypes: {' or '.join(allowed)}"
+            f"accepted cache dtypes: {' or '.join(allowed)}; convert them to the "
+            f"input's dtype (NumPy: cos_cache.astype(input.dtype); torch: "
+            f"cos_cache.to(input.dtype))"
         )
     if tuple(cos_shape) != tuple(sin_shape):
         raise ValueError(

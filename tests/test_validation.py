@@ -44,7 +44,10 @@ def replace(args, **changes):
 
 
 TYPE_ERRORS = {
-    "int input": (replace(good(), input=np.ones((B, H, S, D), np.int32)), "int32"),
+    "int input": (
+        replace(good(), input=np.ones((B, H, S, D), np.int32)),
+        r"int32.*astype\(np\.float32\) \(NumPy\) or \.float\(\) \(torch\)",
+    ),
     "bool input": (replace(good(), input=np.ones((B, H, S, D), bool)), "bool"),
     "complex input": (replace(good(), input=np.ones((B, H, S, D), np.complex64)), "complex64"),
     "list input": (replace(good(), input=np.ones((B, H, S, D)).tolist()), "list"),
@@ -59,7 +62,7 @@ TYPE_ERRORS = {
     ),
     "float64 caches for float32": (
         replace(good(), cos_cache=np.ones((10, 4)), sin_cache=np.ones((10, 4))),
-        "float64",
+        r"float64.*cos_cache\.astype\(input\.dtype\).*cos_cache\.to\(input\.dtype\)",
     ),
     "float16 caches for bfloat16": (good(dtype=BFLOAT16, cache_dtype=np.float16), "float16"),
     "float position ids": (
