@@ -165,19 +165,35 @@ def apply_rotary(
     rotary_dim = _rotary_dim(x, cos, sin)
     batch, seqlen = tuple(x.shape)[:2]
     offset = _checked_offsets(seqlen_offsets, batch, np.full(batch, seqlen), _rows(cos))
-    result = rotary_embedding(
+    result = _rotate(
         x,
         cos,
         sin,
+        None,
         position_offset=offset,
         interleaved=interleaved,
         rotary_embedding_dim=rotary_dim,
         out=x if inplace else None,
         layout="bshd",
         inverse=conjugate,
-        check_position_ids=False,  # checked above, on the host
     )
     return x if inplace else result
+
+
+def _rotate(x: Any, cos: Any, sin: Any, position_ids: Any, out: Any, **options: Any) -> Any:
+    """The operator, checks of positions already made: through :mod:`numba_rope.torch`
+    (differentiable with respect to ``x``, as flash-attn's function is) for a torch
+    tensor that records autograd, through :func:`numba_rope.rotary_embedding`
+    otherwise. In place on a tensor that records autograd is refused there, with the
+    way out."""
+    if out is None and getattr(x, "requires_grad", False):
+        import torch
+
+        if torch.is_grad_enabled():
+            from numba_rope import torch as differentiable
+
+            return differentiable.rotary_embedding(x, cos, sin, position_ids, **options)
+    return rotary_embedding(x, cos, sin, position_ids, out=out, check_position_ids=False, **options)
 
 
 def apply_rotary_emb_qkv_(
@@ -464,7 +480,7 @@ def _varlen(
     # Checked above: every position lies in [0, rows), so no int64 overflow here.
     positions = np.repeat(offsets - cu[:-1], lengths) + np.arange(total, dtype=np.int64)
     tokens = add_leading_axis(x)
-    result = rotary_embedding(
+    result = _rotate(
         tokens,
         cos,
         sin,
@@ -474,6 +490,5 @@ def _varlen(
         out=tokens if inplace else None,
         layout="bshd",
         inverse=conjugate,
-        check_position_ids=False,  # checked above, on the host
     )
     return x if inplace else result[0]

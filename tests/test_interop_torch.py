@@ -116,3 +116,56 @@ def test_vllm_module_takes_a_torch_dtype(rng, name):
     assert_bitwise_equal(values(got), contract(positions, query, 8, want_cache, True))
     with pytest.raises(TypeError, match=r"dtype must be one of .*torch\.int32"):
         vllm.RotaryEmbedding(8, 6, 32, 10000.0, True, torch.int32)
+
+
+def _rotate_half_torch(x, cos, sin, rotary_dim):
+    """flash-attn's ``apply_rotary_emb_torch`` (halves), in torch: ``x*cos +
+    rotate_half(x)*sin`` on the first ``rotary_dim`` channels, cos/sin ``[tokens, d/2]``."""
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    x1, x2 = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2 :]
+    c = torch.cat([cos, cos], dim=-1)[:, None, :]
+    s = torch.cat([sin, sin], dim=-1)[:, None, :]
+    return torch.cat([rot * c + torch.cat([-x2, x1], dim=-1) * s, rest], dim=-1)
+
+
+def test_flash_attn_is_differentiable_like_flash_attn(rng):
+    """A tensor that records autograd goes through numba_rope.torch: the forward and the
+    gradient equal autograd through flash-attn's torch arithmetic written here (float64:
+    both evaluate each element as the same two products and one sum, so they agree to
+    float64 rounding), variable-length batches included."""
+    lengths = [4, 2, 3]
+    cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    offsets = [1, 0, 6]
+    x = torch.tensor(rng.standard_normal((9, 2, 10)), requires_grad=True)
+    cos = torch.tensor(rng.uniform(-1, 1, (12, 3)))
+    sin = torch.tensor(rng.uniform(-1, 1, (12, 3)))
+    weights = torch.tensor(rng.standard_normal((9, 2, 10)))
+
+    got = flash_attn.apply_rotary_emb(
+        x, cos, sin, seqlen_offsets=torch.tensor(offsets), cu_seqlens=cu_seqlens
+    )
+    (got * weights).sum().backward()
+    got_grad, x.grad = x.grad.clone(), None
+
+    rows = torch.cat([torch.arange(n) + o for n, o in zip(lengths, offsets, strict=True)])
+    want = _rotate_half_torch(x, cos[rows], sin[rows], 6)
+    (want * weights).sum().backward()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+    torch.testing.assert_close(got_grad, x.grad, rtol=0, atol=1e-13)
+
+    with pytest.raises(TypeError, match="requires grad"):  # in place: the way out is named
+        flash_attn.apply_rotary_emb(x, cos, sin, inplace=True, cu_seqlens=cu_seqlens)
+
+
+def test_flash_attn_batch_form_is_differentiable(rng):
+    x = torch.tensor(rng.standard_normal((2, 3, 2, 8)), requires_grad=True)
+    cos = torch.tensor(rng.uniform(-1, 1, (10, 4)))
+    sin = torch.tensor(rng.uniform(-1, 1, (10, 4)))
+    got = flash_attn.apply_rotary_emb(x, cos, sin, seqlen_offsets=5)
+    got.sum().backward()
+    got_grad, x.grad = x.grad.clone(), None
+    rows = torch.arange(3) + 5
+    want = torch.stack([_rotate_half_torch(x[b], cos[rows], sin[rows], 8) for b in range(2)])
+    want.sum().backward()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+    torch.testing.assert_close(got_grad, x.grad, rtol=0, atol=1e-13)
