@@ -58,6 +58,46 @@ def test_parallel_kernel_equals_contract(rng, parallel_always, dtype):
     assert_bitwise_equal(got, float32_contract(x, cos, sin, ids, True, 16))
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_decode_steps_go_token_by_token_with_the_contract_bits(rng, monkeypatch, dtype, parallel):
+    """One-token inputs (a decode step) take the token-major kernels, which share a
+    token's cos/sin row across its heads: position ids, offsets per batch entry and
+    per-token caches, interleaved and partial rows, in place, q+k with fewer kv heads,
+    one thread and the parallel split (heads then in groups), all the contract's bits."""
+    from numba_rope import config
+    from numba_rope._cpu import backend as cpu_backend
+
+    if parallel:
+        monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 0)
+    requested = []
+    kernels = cpu_backend.kernels
+    monkeypatch.setattr(
+        cpu_backend, "kernels", lambda *args: requested.append(args) or kernels(*args)
+    )
+    monkeypatch.setattr(cpu_backend, "PLANS", {})  # the general path, then a plan
+    x, cos, sin, ids = make_case(rng, (5, 6, 1, 20), dtype, rotary_dim=12)
+    options = {"interleaved": True, "rotary_embedding_dim": 12}
+    want = float32_contract(x, cos, sin, ids, True, 12)
+    for _ in range(2):  # the second call runs the remembered plan (serially)
+        assert_bitwise_equal(numba_rope.rotary_embedding(x, cos, sin, ids, **options), want)
+    offsets = np.array([3, 0, cos.shape[0] - 1, 1, 4])
+    by_offset = numba_rope.rotary_embedding(x, cos, sin, position_offset=offsets, **options)
+    assert_bitwise_equal(by_offset, float32_contract(x, cos, sin, offsets[:, None], True, 12))
+    per_token = (cos[ids], sin[ids])  # [batch, 1, half]: caches without position ids
+    got = numba_rope.rotary_embedding(x, *per_token, **options)
+    assert_bitwise_equal(got, want)
+    work = x.copy()
+    numba_rope.rotary_embedding(work, cos, sin, ids, out=work, **options)
+    assert_bitwise_equal(work, want)
+    k = rng.standard_normal((5, 2, 1, 20)).astype(dtype)
+    got_q, got_k = numba_rope.rotary_embedding_qk(x, k, cos, sin, ids, **options)
+    assert_bitwise_equal(got_q, want)
+    assert_bitwise_equal(got_k, float32_contract(k, cos, sin, ids, True, 12))
+    contiguous_requests = [args for args in requested if args[2]]
+    assert contiguous_requests and all(args[6] for args in contiguous_requests)
+
+
 def test_row_options_must_be_compile_time_constants():
     """A row's vector step is chosen when a kernel compiles: a run-time option is a
     typing error, never a row that silently takes some other path."""

@@ -25,24 +25,27 @@ from numba_rope._cpu.backend import kernels, storage_dtype
 from numba_rope.bench import make_arrays
 
 report = {}
-for dtype, words in (("float32", False), ("float16", False), ("bfloat16", True)):
-    for streaming in (False, True):
-        x, cos, sin, ids = make_arrays(np.random.default_rng(0), (1, 2, 3, 64), dtype)
-        storage = storage_dtype(x.dtype)
-        view = (lambda a: a) if storage is None else (lambda a: a.view(storage))
-        serial = kernels(False, False, True, 0, words, streaming)[0]
-        out = np.empty_like(view(x))
-        signature = tuple(
-            __import__("numba").typeof(a) for a in
-            (view(x), None, view(cos), view(sin), ids, out, None, 64, True, 1024, 1)
-        )
-        serial.compile(signature)
-        asm = serial.inspect_asm(signature)
-        report[f"{dtype}{' streaming' if streaming else ''}"] = {
-            "fma": len(re.findall(r"\bv?f(n?m(add|sub)|madd|msub)\w*", asm)),
-            "zmm": asm.count("%zmm"), "ymm": asm.count("%ymm"),
-            "nontemporal": len(re.findall(r"\bv?movnt", asm)),
-        }
+variants = [(d, w, streaming, False) for d, w in (("float32", False), ("float16", False),
+            ("bfloat16", True)) for streaming in (False, True)]
+variants += [("float32", False, False, True), ("bfloat16", True, False, True)]  # decode steps
+for dtype, words, streaming, token_major in variants:
+    x, cos, sin, ids = make_arrays(np.random.default_rng(0), (1, 2, 3, 64), dtype)
+    storage = storage_dtype(x.dtype)
+    view = (lambda a: a) if storage is None else (lambda a: a.view(storage))
+    serial = kernels(False, False, True, 0, words, streaming, token_major)[0]
+    out = np.empty_like(view(x))
+    signature = tuple(
+        __import__("numba").typeof(a) for a in
+        (view(x), None, view(cos), view(sin), ids, out, None, 64, True, 1024, 1)
+    )
+    serial.compile(signature)
+    asm = serial.inspect_asm(signature)
+    name = dtype + (" streaming" if streaming else "") + (" token-major" if token_major else "")
+    report[name] = {
+        "fma": len(re.findall(r"\bv?f(n?m(add|sub)|madd|msub)\w*", asm)),
+        "zmm": asm.count("%zmm"), "ymm": asm.count("%ymm"),
+        "nontemporal": len(re.findall(r"\bv?movnt", asm)),
+    }
 # rope_cache's cos/sin: double-double arithmetic (Dekker's split and products), which a
 # fused multiply-add would silently change.
 from numba import typeof

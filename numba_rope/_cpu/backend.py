@@ -218,9 +218,9 @@ def _reset_after_fork() -> None:
 if hasattr(os, "register_at_fork"):  # POSIX only: Windows has no fork
     os.register_at_fork(after_in_child=_reset_after_fork)
 
-#: Kernels by (interleaved, inverse, contiguous, in_place, words, streaming), made on
-#: first use.
-_kernel_sets: dict[tuple[bool, bool, bool, int, bool, bool], tuple] = {}
+#: Kernels by (interleaved, inverse, contiguous, in_place, words, streaming,
+#: token_major), made on first use.
+_kernel_sets: dict[tuple[bool, bool, bool, int, bool, bool, bool], tuple] = {}
 
 
 def kernels(
@@ -230,13 +230,15 @@ def kernels(
     in_place: int = 0,
     words: bool = False,
     streaming: bool = False,
+    token_major: bool = False,
 ) -> tuple:
     """``(serial, parallel)`` for these options (see
-    :func:`numba_rope._cpu.kernels.make_kernels`; ``words`` and ``streaming`` only with
-    ``contiguous``)."""
+    :func:`numba_rope._cpu.kernels.make_kernels`; ``words``, ``streaming`` and
+    ``token_major`` only with ``contiguous``)."""
     streaming = streaming and contiguous
     words = words and contiguous
-    key = (interleaved, inverse, contiguous, int(in_place), words, streaming)
+    token_major = token_major and contiguous
+    key = (interleaved, inverse, contiguous, int(in_place), words, streaming, token_major)
     found = _kernel_sets.get(key)
     if found is None:
         require_jit()
@@ -364,8 +366,10 @@ def launch(views: tuple, args: tuple, call: Call, check_overlap=True, in_place: 
     cos, sin = packed_caches(cos, sin, size, sum(v.nbytes for v, _ in views))
     contiguous, words = row_format(*(a for pair in views for a in pair), cos, sin)
     stream = streaming(call.rotary_dim, call.interleaved, *(o for _, o in views))
-    serial, parallel = kernels(call.interleaved, call.inverse, contiguous, in_place, words, stream)
     batch, _, seq_len, _ = x.shape
+    serial, parallel = kernels(
+        call.interleaved, call.inverse, contiguous, in_place, words, stream, seq_len == 1
+    )
     in_parallel = _parallel(size)
     heads = max(v.shape[1] for v, _ in views)
     tile, n_groups, n_chunks = work_split(batch, heads, seq_len, in_parallel)
@@ -488,6 +492,7 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
     words = takes_words(storage, cache_storage)
     layout, rotary_dim = call.layout, call.rotary_dim
     x_logical, k_logical = call.shapes[0], call.shapes[-1]
+    token_major = x_logical[2] == 1  # a decode step: one token, heads share its row
     to_bhsd = bhsd_steps(inputs[0].ndim, layout, x_logical) != (None, None)
     serials: dict[tuple[bool, int], Any] = {}  # by (contiguous, in_place)
     distinct_strides: dict[tuple[int, ...], bool] = {}  # outputs that are not C-contiguous
@@ -550,7 +555,9 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
             )
         serial = serials.get((contiguous, in_place))
         if serial is None:
-            serial = kernels(call.interleaved, call.inverse, contiguous, in_place, words)[0]
+            serial = kernels(
+                call.interleaved, call.inverse, contiguous, in_place, words, False, token_major
+            )[0]
             serials[contiguous, in_place] = serial
         status = serial(
             x_view,

@@ -182,6 +182,51 @@ def _contiguous_units(
 
 
 @cached_njit(inline="always")
+def _token_units(
+    x,
+    cos,
+    sin,
+    positions,
+    out,
+    rotary_dim,
+    first,
+    end,
+    tile,
+    n_groups,
+    interleaved,
+    sign,
+    words,
+    streaming,
+):
+    """:func:`_contiguous_units` token by token, and inside a token head by head: the
+    order of a decode step's units (one token, every head), whose loop over heads then
+    shares one cos/sin row, so that LLVM hoists the row and its overlap tests out of
+    it (18% off float32 decode against the head-major order, measured). The other
+    order is kept for longer tiles, whose heads' rows it streams one after another."""
+    head_size = x.shape[3]
+    half = rotary_dim // 2
+    for unit in range(first, end):
+        b, s0, s1, h0, h1 = _unit_bounds(unit, x.shape[2], x.shape[1], tile, n_groups)
+        for s in range(s0, s1):
+            cos_row = row(cos, _cache_row_offset(cos, positions, b, s), half)
+            sin_row = row(sin, _cache_row_offset(sin, positions, b, s), half)
+            for h in range(h0, h1):
+                x_offset = b * x.strides[0] + h * x.strides[1] + s * x.strides[2]
+                out_offset = b * out.strides[0] + h * out.strides[1] + s * out.strides[2]
+                rotate_row(
+                    row(x, x_offset, head_size),
+                    cos_row,
+                    sin_row,
+                    row(out, out_offset, head_size),
+                    interleaved,
+                    rotary_dim,
+                    sign,
+                    words,
+                    streaming,
+                )
+
+
+@cached_njit(inline="always")
 def _strided_units(
     x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups, interleaved, sign
 ):
@@ -318,6 +363,7 @@ def make_kernels(
     in_place: int,
     words: bool,
     streaming: bool,
+    token_major: bool = False,
 ):
     """The CPU kernels for one choice of options, compiled in as constants: each call
     compiles only the code it runs.
@@ -331,6 +377,9 @@ def make_kernels(
     elements per 32-bit word (see :func:`rotate_row`).
     ``streaming``: contiguous rows whose output is written with non-temporal stores
     (see :mod:`numba_rope._cpu.vector` and :func:`numba_rope._cpu.backend.streaming`).
+    ``token_major``: contiguous rows taken token by token, each token's heads one after
+    the other (:func:`_token_units`, for a decode step's one-token tiles) instead of
+    head by head.
     ``in_place``: which outputs are their inputs themselves, a sum of
     :data:`FIRST_IN_PLACE` (the first tensor) and :data:`SECOND_IN_PLACE`.
     The kernel then reads and writes through the very same array, so that LLVM sees
@@ -372,10 +421,16 @@ def make_kernels(
         n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
         if k is None:
             if contiguous:
-                _contiguous_units(
-                    x, cos, sin, positions, out, rotary_dim, 0, n_units, tile, n_groups,
-                    interleaved, sign, words, streaming,
-                )  # fmt: skip
+                if token_major:
+                    _token_units(
+                        x, cos, sin, positions, out, rotary_dim, 0, n_units, tile, n_groups,
+                        interleaved, sign, words, streaming,
+                    )  # fmt: skip
+                else:
+                    _contiguous_units(
+                        x, cos, sin, positions, out, rotary_dim, 0, n_units, tile, n_groups,
+                        interleaved, sign, words, streaming,
+                    )  # fmt: skip
             else:
                 _strided_units(
                     x, cos, sin, positions, out, rotary_dim, 0, n_units, tile, n_groups,
@@ -384,20 +439,32 @@ def make_kernels(
         else:
             for unit in range(n_units):  # q's heads, then k's: k reuses the tile's cos/sin
                 if contiguous:
-                    _contiguous_units(
-                        x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile, n_groups,
-                        interleaved, sign, words, streaming,
-                    )  # fmt: skip
+                    if token_major:
+                        _token_units(
+                            x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile, n_groups,
+                            interleaved, sign, words, streaming,
+                        )  # fmt: skip
+                    else:
+                        _contiguous_units(
+                            x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile, n_groups,
+                            interleaved, sign, words, streaming,
+                        )  # fmt: skip
                 else:
                     _strided_units(
                         x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile, n_groups,
                         interleaved, sign,
                     )  # fmt: skip
                 if contiguous:
-                    _contiguous_units(
-                        k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups,
-                        interleaved, sign, words, streaming,
-                    )  # fmt: skip
+                    if token_major:
+                        _token_units(
+                            k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups,
+                            interleaved, sign, words, streaming,
+                        )  # fmt: skip
+                    else:
+                        _contiguous_units(
+                            k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups,
+                            interleaved, sign, words, streaming,
+                        )  # fmt: skip
                 else:
                     _strided_units(
                         k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups,
@@ -426,10 +493,16 @@ def make_kernels(
             end = (chunk + 1) * n_units // n_chunks
             if k is None:
                 if contiguous:
-                    _contiguous_units(
-                        x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups,
-                        interleaved, sign, words, streaming,
-                    )  # fmt: skip
+                    if token_major:
+                        _token_units(
+                            x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups,
+                            interleaved, sign, words, streaming,
+                        )  # fmt: skip
+                    else:
+                        _contiguous_units(
+                            x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups,
+                            interleaved, sign, words, streaming,
+                        )  # fmt: skip
                 else:
                     _strided_units(
                         x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups,
@@ -438,20 +511,32 @@ def make_kernels(
             else:
                 for unit in range(first, end):
                     if contiguous:
-                        _contiguous_units(
-                            x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile, n_groups,
-                            interleaved, sign, words, streaming,
-                        )  # fmt: skip
+                        if token_major:
+                            _token_units(
+                                x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile, n_groups,
+                                interleaved, sign, words, streaming,
+                            )  # fmt: skip
+                        else:
+                            _contiguous_units(
+                                x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile, n_groups,
+                                interleaved, sign, words, streaming,
+                            )  # fmt: skip
                     else:
                         _strided_units(
                             x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile, n_groups,
                             interleaved, sign,
                         )  # fmt: skip
                     if contiguous:
-                        _contiguous_units(
-                            k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups,
-                            interleaved, sign, words, streaming,
-                        )  # fmt: skip
+                        if token_major:
+                            _token_units(
+                                k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups,
+                                interleaved, sign, words, streaming,
+                            )  # fmt: skip
+                        else:
+                            _contiguous_units(
+                                k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups,
+                                interleaved, sign, words, streaming,
+                            )  # fmt: skip
                     else:
                         _strided_units(
                             k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups,
