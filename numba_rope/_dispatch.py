@@ -5,8 +5,8 @@ One table, :data:`DEVICE_OF_LIBRARY`, says which device runs each kind of array:
 
 * ``numpy.ndarray`` -> the CPU backend, :mod:`numba_rope._cpu.backend`;
 * torch CPU tensors (alone or with NumPy arrays: both are host memory) -> the same
-  backend through NumPy views of the tensors' memory,
-  :class:`numba_rope._cpu.torch_host.TorchHostBackend` (imported on first use);
+  backend, on NumPy views of the tensors' memory made before dispatch
+  (:mod:`numba_rope._cpu.torch_host`, used by ``rotary._rotate``);
 * Numba device arrays (the simulator's too), CuPy arrays, torch CUDA tensors and any
   other object exporting ``__cuda_array_interface__`` -> the CUDA backend,
   :mod:`numba_rope._cuda.backend` (imported on first use), on the caller's stream;
@@ -109,11 +109,7 @@ def backend_for(arrays: tuple[Any, ...], names: tuple[str, ...], stream: Any = N
         [type_name(a) for _, a, _ in given],
         [None if lib is None else DEVICE_OF_LIBRARY[lib] for _, _, lib in given],
     )
-    if device == "cpu":
-        if "torch_cpu" in libraries:
-            from numba_rope._cpu.torch_host import TorchHostBackend
-
-            return TorchHostBackend(arrays, names, libraries)
+    if device == "cpu":  # NumPy arrays (torch CPU tensors are seen through before)
         return cpu_backend
     require_jit()  # without the JIT, _rotation.rotate_pair is Python: no CUDA kernel can call it
     from numba_rope._cuda.backend import CudaBackend

@@ -128,24 +128,6 @@ def rotary_embedding(
     array([[ 1.,  1.,  1.,  1.],
            [-1.,  1.,  1.,  1.]], dtype=float32)
     """
-    if type(input) is not np.ndarray and stream is None:
-        views = _torch_host_views(
-            (input, cos_cache, sin_cache, position_ids, out, position_offset),
-            ("input", "cos_cache", "sin_cache", "position_ids", "out", "position_offset"),
-        )
-        if views is not None:  # torch CPU tensors: the NumPy call on their memory
-            result = rotary_embedding(
-                *views[:4],
-                interleaved=interleaved,
-                rotary_embedding_dim=rotary_embedding_dim,
-                out=views[4],
-                layout=layout,
-                num_heads=num_heads,
-                position_offset=views[5],
-                inverse=inverse,
-                check_position_ids=check_position_ids,
-            )
-            return torch_host.as_results((input,), (out,), (result,))[0]
     key = None
     if type(input) is np.ndarray and (check_position_ids is True or check_position_ids is False):
         # A NumPy call whose signature was validated before runs its plan directly.
@@ -189,40 +171,55 @@ def rotary_embedding(
     )[0]
 
 
-#: The array arguments of rotary_embedding_qk, by name, in its order.
-QK_ARGUMENTS = (
-    "q",
-    "k",
-    "cos_cache",
-    "sin_cache",
-    "position_ids",
-    "out_q",
-    "out_k",
-    "position_offset",
-)
-
-
 def _torch_host_views(arguments: tuple, names: tuple[str, ...]) -> tuple | None:
-    """The arguments of a call whose input is a torch CPU tensor, each torch CPU tensor
-    as a NumPy view of its memory (one view per tensor object, so that ``out=x`` stays
-    in place), or None when an argument is neither that, a NumPy array nor a scalar
-    (GPU arrays, ndarray subclasses: the general path names them). The NumPy call on
-    the views then takes the remembered plans of small calls too."""
-    if library(arguments[0]) != "torch_cpu":
-        return None
+    """The arguments of a call with torch CPU tensors among host arrays, each tensor as
+    a NumPy view of its memory (one view per tensor object, so that ``out=x`` stays in
+    place); None when there is no torch CPU tensor, or when an argument is neither
+    that, a NumPy array nor a scalar (GPU arrays, ndarray subclasses, lists: the
+    general path names them)."""
     views: dict[int, Any] = {}
     converted = []
     for argument, name in zip(arguments, names, strict=True):
         if argument is None or type(argument) is np.ndarray or is_scalar(argument):
             converted.append(argument)
             continue
-        if library(argument) != "torch_cpu":
+        kind = library(argument)
+        if kind == "numpy":  # numpy.memmap
+            converted.append(argument)
+            continue
+        if kind != "torch_cpu":
             return None
         view = views.get(id(argument))
         if view is None:
             view = views[id(argument)] = torch_host.host_view(argument, name)
         converted.append(view)
-    return tuple(converted)
+    return tuple(converted) if views else None
+
+
+def _call_on_views(
+    views: tuple, n_inputs: int, options: tuple, stream: Any, check_position_ids: Any
+) -> tuple:
+    """The public function of ``n_inputs`` tensors called on host arrays only: ``views``
+    as :func:`_rotate` orders the arguments (inputs, caches, ids, outputs, offset)."""
+    interleaved, rotary_dim, layout, num_heads, num_kv_heads, inverse = options
+    cos, sin, ids = views[n_inputs : n_inputs + 3]
+    outs = views[n_inputs + 3 : 2 * n_inputs + 3]
+    keywords: dict[str, Any] = {
+        "interleaved": interleaved,
+        "rotary_embedding_dim": rotary_dim,
+        "layout": layout,
+        "num_heads": num_heads,
+        "position_offset": views[-1],
+        "inverse": inverse,
+        "stream": stream,
+        "check_position_ids": check_position_ids,
+    }
+    if n_inputs == 1:
+        return (rotary_embedding(views[0], cos, sin, ids, out=outs[0], **keywords),)
+    q, k = views[:2]
+    return rotary_embedding_qk(
+        q, k, cos, sin, ids, num_kv_heads=num_kv_heads, out_q=outs[0], out_k=outs[1], **keywords
+    )
 
 
 def _rotate(
@@ -252,6 +249,13 @@ def _rotate(
         *out_names,
         "position_offset",
     )
+    if key is None:  # (a key means NumPy arrays alone)
+        views = _torch_host_views((*arrays[:-1], position_offset), argument_names)
+        if views is not None:
+            # torch CPU tensors: the NumPy call on their memory, whose next calls of this
+            # signature take its remembered plan; results as the caller's kinds.
+            results = _call_on_views(views, len(inputs), options, stream, check_position_ids)
+            return torch_host.as_results(inputs, outs, results)
     backend = backend_for(arrays, argument_names, stream)
     describe = backend.describe
     if type(position_offset) is int:
@@ -338,26 +342,6 @@ position_offset, inverse, stream, check_position_ids
     >>> bool(np.array_equal(qkv[..., :8], expected_q))
     True
     """
-    if type(q) is not np.ndarray and stream is None:
-        views = _torch_host_views(
-            (q, k, cos_cache, sin_cache, position_ids, out_q, out_k, position_offset),
-            QK_ARGUMENTS,
-        )
-        if views is not None:  # torch CPU tensors: the NumPy call on their memory
-            results = rotary_embedding_qk(
-                *views[:5],
-                interleaved=interleaved,
-                rotary_embedding_dim=rotary_embedding_dim,
-                layout=layout,
-                num_heads=num_heads,
-                num_kv_heads=num_kv_heads,
-                position_offset=views[7],
-                inverse=inverse,
-                out_q=views[5],
-                out_k=views[6],
-                check_position_ids=check_position_ids,
-            )
-            return torch_host.as_results((q, k), (out_q, out_k), results)
     key = None
     if (
         type(q) is np.ndarray

@@ -1,14 +1,14 @@
 """torch tensors on the CPU, through the CPU backend: NumPy views of the tensors'
 memory in, torch tensors out, nothing copied.
 
-A :class:`TorchHostBackend` lives for one call whose arrays are all in host memory and
-include a torch CPU tensor (NumPy arrays may come with them). It makes one NumPy view
-per tensor (float32/float16/float64 and integer tensors as they are; bfloat16 through
-an ``int16`` view reinterpreted as ``ml_dtypes.bfloat16``), hands the views to
-:mod:`numba_rope._cpu.backend` for description and running, and returns each result
-as its input's kind: ``out`` itself when given, else a torch tensor over the memory
-the kernel wrote (``torch.from_numpy``) for a torch input, a NumPy array for a NumPy
-input.
+For a call whose arrays are all in host memory and include a torch CPU tensor (NumPy
+arrays may come with them), ``rotary._rotate`` makes one NumPy view per tensor with
+:func:`host_view` (float32/float16/float64 and integer tensors as they are; bfloat16
+through an ``int16`` view reinterpreted as ``ml_dtypes.bfloat16``), makes the NumPy
+call on the views (remembered plans included), and returns each result as its input's
+kind with :func:`as_results`: ``out`` itself when given, else a torch tensor over the
+memory the kernel wrote (``torch.from_numpy``) for a torch input, a NumPy array for a
+NumPy input.
 
 What a NumPy view cannot carry is refused or resolved here, before anything is
 written: a tensor that records autograd (use :mod:`numba_rope.torch`), an ``out``
@@ -26,11 +26,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
-from numba_rope._cpu import backend as cpu_backend
-from numba_rope._validation import Call
-
-name = "cpu"
 
 #: Output arguments, by name (written through their views).
 _OUTPUT_NAMES = ("out", "out_q", "out_k")
@@ -89,62 +84,6 @@ def tensor_over(array: np.ndarray) -> Any:
     if array.dtype.kind == "V" and array.dtype.itemsize == 2:  # ml_dtypes.bfloat16
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
-
-
-class TorchHostBackend:
-    """One call's host arrays, torch CPU tensors among them, run by the CPU backend."""
-
-    name = "cpu"
-
-    def __init__(
-        self,
-        arrays: tuple[Any, ...],
-        names: tuple[str, ...],
-        libraries: tuple[str | None, ...],
-    ) -> None:
-        # One view per tensor object, so that a tensor passed twice (``out=x``: in
-        # place) is one array for the backend too.
-        self._views: dict[int, np.ndarray] = {}
-        self._tensors: list[Any] = []  # alive for the call, so their ids stay theirs
-        for array, argument, library in zip(arrays, names, libraries, strict=True):
-            if library == "torch_cpu" and id(array) not in self._views:
-                self._views[id(array)] = host_view(array, argument)
-                self._tensors.append(array)
-
-    def host(self, array: Any) -> Any:
-        """The NumPy view of a tensor of this call, anything else as it is."""
-        return self._views.get(id(array), array)
-
-    def describe(self, array: Any) -> tuple[Any, ...] | None:
-        return cpu_backend.describe(self.host(array))
-
-    def describe_out(self, array: Any) -> tuple[Any, ...] | None:
-        return cpu_backend.describe_out(self.host(array))
-
-    def run(
-        self,
-        call: Call,
-        inputs: tuple,
-        outs: tuple,
-        cos: Any,
-        sin: Any,
-        position_ids: Any,
-        position_offset: Any,
-        check_position_ids: bool = True,
-    ) -> tuple:
-        """Run the call on the views and return each result as its input's kind."""
-        host = self.host
-        results = cpu_backend.run(
-            call,
-            tuple(host(x) for x in inputs),
-            tuple(host(out) for out in outs),
-            host(cos),
-            host(sin),
-            host(position_ids),
-            host(position_offset),
-            check_position_ids,
-        )
-        return as_results(inputs, outs, results)
 
 
 def as_results(inputs: tuple, outs: tuple, results: tuple) -> tuple:
