@@ -193,18 +193,22 @@ def check_flag(value: Any, name: str) -> bool:
     return bool(value)
 
 
-def _check_num_heads(num_heads: Any, name: str) -> int | None:
-    if num_heads is None:
-        return None
-    if isinstance(num_heads, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a positive integer, got {num_heads!r}")
+def check_positive_int(value: Any, name: str) -> int:
+    """A count (``num_heads``, a head size): an integer (not a bool) above 0, or
+    ``TypeError``/``ValueError`` naming ``name``."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a positive integer, got {value!r}")
     try:
-        num_heads = operator.index(num_heads)
+        value = operator.index(value)
     except TypeError:
-        raise TypeError(f"{name} must be a positive integer, got {num_heads!r}") from None
-    if num_heads <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {num_heads}")
-    return num_heads
+        raise TypeError(f"{name} must be a positive integer, got {value!r}") from None
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+    return value
+
+
+def _check_num_heads(num_heads: Any, name: str) -> int | None:
+    return None if num_heads is None else check_positive_int(num_heads, name)
 
 
 def logical_shape(

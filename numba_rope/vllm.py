@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from numba_rope._interop import add_leading_axis
+from numba_rope._validation import check_positive_int
 from numba_rope.cache import rope_cache
 from numba_rope.rotary import rotary_embedding as _operator
 from numba_rope.rotary import rotary_embedding_qk
@@ -328,14 +329,7 @@ def _rotate(
     is_neox: Any,
     inplace: bool,
 ) -> tuple[Any, Any]:
-    if isinstance(head_size, bool):
-        raise TypeError(f"head_size must be a positive integer, got {head_size!r}")
-    try:
-        head_size = operator.index(head_size)
-    except TypeError:
-        raise TypeError(f"head_size must be a positive integer, got {head_size!r}") from None
-    if head_size <= 0:
-        raise ValueError(f"head_size must be a positive integer, got {head_size}")
+    head_size = check_positive_int(head_size, "head_size")
     if not isinstance(is_neox, (bool, np.bool_)):
         raise TypeError(
             f"is_neox must be a bool (True: halves, GPT-NeoX; False: pairs, GPT-J), got {is_neox!r}"
