@@ -15,20 +15,8 @@ from test_vllm import contract
 from numba_rope import flash_attn, vllm
 
 torch = pytest.importorskip("torch")
-
-
-def tensor(array: np.ndarray):
-    """A torch tensor over a NumPy array's memory (bfloat16 through int16)."""
-    if array.dtype == BFLOAT16:
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
-
-
-def values(t) -> np.ndarray:
-    """A NumPy copy of a tensor's values (bfloat16 as ml_dtypes.bfloat16)."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().copy().view(BFLOAT16)
-    return t.numpy().copy()
+from test_torch import host as values  # noqa: E402  (after the skip: it imports torch)
+from test_torch import tensor  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), BFLOAT16], ids=str)
