@@ -144,14 +144,11 @@ def apply_rotary_pos_emb(
             # as cos[position_ids] was there: a view.
             rows = (q.shape[0], ids.shape[1])
             ids = ids.expand(rows) if _is_torch(ids) else np.broadcast_to(ids, rows)
-    elif cos.shape[0] == 1 and q.shape[0] != 1:  # one table for the batch: a view
-        batch = (q.shape[0], *cos.shape[1:])
-        cos, sin = (
-            (cos.expand(batch), sin.expand(batch))
-            if _is_torch(cos)
-            else (np.broadcast_to(cos, batch), np.broadcast_to(sin, batch))
-        )
     rotary_dim = int(cos.shape[-1])
+    # One table for the batch ([1, seq_len, rotary_dim]) is broadcast over it as a view,
+    # after its halves are checked and halved: the check reads the table once, not once
+    # per sequence.
+    batch = q.shape[0] if ids is None and cos.shape[0] == 1 and q.shape[0] != 1 else None
     if _is_torch(q):
         import torch
 
@@ -163,8 +160,7 @@ def apply_rotary_pos_emb(
             return numba_rope.torch.rotary_embedding_qk(
                 q,
                 k,
-                first_half(cos, "cos"),
-                first_half(sin, "sin"),
+                *_over_batch(first_half(cos, "cos"), first_half(sin, "sin"), batch),
                 ids,
                 rotary_embedding_dim=rotary_dim,
                 layout=layout,
@@ -176,17 +172,28 @@ def apply_rotary_pos_emb(
             )
         if ids is not None and not _is_torch(ids):
             ids = torch.as_tensor(ids, device=q.device)
-        # The op checks the halves and halves the caches where the data are real (under
-        # torch.compile too); it is differentiable with respect to q and k.
+        # The op checks the halves, halves the caches and broadcasts a one-row table over
+        # the batch where the data are real (under torch.compile too); it is
+        # differentiable with respect to q and k.
         return torch.ops.numba_rope.rotary_embedding_qk(
             q, k, cos, sin, ids, None, None, False, rotary_dim, layout, None, None, False, True
         )
     return rotary_embedding_qk(
         q,
         k,
-        first_half(cos, "cos"),
-        first_half(sin, "sin"),
+        *_over_batch(first_half(cos, "cos"), first_half(sin, "sin"), batch),
         ids,
         rotary_embedding_dim=rotary_dim,
         layout=layout,
     )
+
+
+def _over_batch(cos: Any, sin: Any, batch: int | None) -> tuple[Any, Any]:
+    """One-row caches ``[1, seq_len, half]`` broadcast over ``batch`` sequences (views),
+    or the caches as they are (``batch`` None)."""
+    if batch is None:
+        return cos, sin
+    shape = (batch, *cos.shape[1:])
+    if _is_torch(cos):
+        return cos.expand(shape), sin.expand(shape)
+    return np.broadcast_to(cos, shape), np.broadcast_to(sin, shape)

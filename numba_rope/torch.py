@@ -107,6 +107,11 @@ def _rotary_qk_op(
     full_width: bool,
 ) -> tuple[Tensor, Tensor]:
     cos, sin = _caches(cos_cache, sin_cache, full_width)
+    if full_width and cos.dim() == 3 and cos.shape[0] == 1 and q.shape[0] != 1:
+        # Hugging Face's one table for the batch, checked and halved once, then
+        # broadcast over the batch (a view).
+        shape = (q.shape[0], *cos.shape[1:])
+        cos, sin = cos.expand(shape), sin.expand(shape)
     return _rotate_two(
         q.detach(),
         k.detach(),

@@ -181,6 +181,29 @@ def test_partial_rotary_equals_gpt_neox(hf):
         assert torch.equal(a, b)
 
 
+def test_one_table_for_the_batch_with_gradients(hf):
+    """cos/sin ``[1, seq_len, head_dim]`` (transformers' rotary modules with position ids
+    of one row) serve every sequence: values and gradients equal transformers' own,
+    whose multiplication broadcasts them."""
+    import torch
+
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 4, 5, 8, generator=generator)
+    k = torch.randn(3, 2, 5, 8, generator=generator)
+    freqs = torch.rand(1, 5, 4, generator=generator) * 20
+    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+    ours = [t.clone().requires_grad_() for t in (q, k)]
+    theirs = [t.clone().requires_grad_() for t in (q, k)]
+    got = apply_rotary_pos_emb(*ours, cos, sin)
+    want = hf[0].apply_rotary_pos_emb(*theirs, cos, sin)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    torch.autograd.backward(got, [torch.ones_like(t) for t in got])
+    torch.autograd.backward(want, [torch.ones_like(t) for t in want])
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
 def test_16_bit_tensors_against_the_contract(hf, dtype_name):
     """In 16-bit the oracle is the float64 reference's contract (rounded once), on the
