@@ -28,6 +28,7 @@ from typing import Any
 
 import numba
 from numba.core import config as numba_config
+from numba.np.ufunc import parallel as _numba_parallel
 
 #: What ``numba.njit(cache=True)`` raises when no cache location is usable.
 _NO_LOCATOR = "no locator available"
@@ -45,6 +46,21 @@ def cached_njit(**options: Any) -> Callable[[Callable], Any]:
             if _NO_LOCATOR not in str(error):
                 raise
         return numba.njit(**options)(function)
+
+    return decorate
+
+
+def cached_cfunc(signature: Any, **options: Any) -> Callable[[Callable], Any]:
+    """``numba.cfunc(signature, cache=True, **options)``, compiled in memory where numba
+    finds no usable cache location (see :func:`cached_njit`)."""
+
+    def decorate(function: Callable) -> Any:
+        try:
+            return numba.cfunc(signature, cache=True, **options)(function)
+        except RuntimeError as error:
+            if _NO_LOCATOR not in str(error):
+                raise
+        return numba.cfunc(signature, **options)(function)
 
     return decorate
 
@@ -72,6 +88,24 @@ def parallel_regions_usable() -> bool:
     """False in a process forked (directly or not) from one that had started numba's
     OpenMP threads: a parallel region would kill it. Callers then run serial code."""
     return not _forked_from_openmp
+
+
+# -- numba's thread count, without starting its threads ------------------------------
+
+
+def thread_count() -> int:
+    """``numba.get_num_threads()`` without its side effect of starting numba's worker
+    threads (which would, among other things, keep a later ``fork`` child from running
+    parallel regions, see :func:`parallel_regions_usable`), and at a sixth of its cost:
+    before numba has started them, no ``set_num_threads`` can have run (it starts
+    them), so the count is ``NUMBA_NUM_THREADS``; after, numba's own per-thread count is
+    read."""
+    try:
+        if not _numba_parallel._is_initialized:
+            return int(numba_config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+        return int(_numba_parallel._get_num_threads())  # type: ignore[attr-defined]
+    except AttributeError:  # pragma: no cover - a numba without these names
+        return numba.get_num_threads()
 
 
 # -- NUMBA_DISABLE_JIT ---------------------------------------------------------------------

@@ -46,6 +46,23 @@ for dtype, words, streaming, token_major in variants:
         "zmm": asm.count("%zmm"), "ymm": asm.count("%ymm"),
         "nontemporal": len(re.findall(r"\bv?movnt", asm)),
     }
+# What the helper thread runs for a chunk of a decode step (the same row code, reached
+# through a C function of its own).
+from numba_rope._cpu.helper import _like
+from numba_rope._cpu.kernels import make_runner
+
+for dtype, words in (("float32", False), ("bfloat16", True)):
+    x, cos, sin, ids = make_arrays(np.random.default_rng(0), (1, 2, 1, 64), dtype)
+    storage = storage_dtype(x.dtype)
+    view = (lambda a: a) if storage is None else (lambda a: a.view(storage))
+    likes = (_like(view(x)), None, _like(view(cos)), _like(view(sin)), _like(ids))
+    run = make_runner((False, False, True, 0, words, False, True), likes)
+    asm = run._library.get_asm_str()
+    report[dtype + " token-major helper runner"] = {
+        "fma": len(re.findall(r"\bv?f(n?m(add|sub)|madd|msub)\w*", asm)),
+        "zmm": asm.count("%zmm"), "ymm": asm.count("%ymm"),
+        "nontemporal": len(re.findall(r"\bv?movnt", asm)),
+    }
 # rope_cache's cos/sin: double-double arithmetic (Dekker's split and products), which a
 # fused multiply-add would silently change.
 from numba import typeof

@@ -26,6 +26,7 @@ import numpy as np
 
 from numba_rope import config
 from numba_rope._conversions import BFLOAT16_STORAGE, FLOAT16_STORAGE
+from numba_rope._cpu import helper
 from numba_rope._cpu.kernels import (
     DONE,
     FIRST_IN_PLACE,
@@ -287,18 +288,23 @@ def takes_words(*storage_dtypes) -> bool:
     return all(dtype == BFLOAT16_STORAGE for dtype in storage_dtypes)
 
 
-def work_split(batch: int, num_heads: int, seq_len: int, parallel: bool) -> tuple[int, int, int]:
+def work_split(
+    batch: int, num_heads: int, seq_len: int, parallel: bool, threads: int | None = None
+) -> tuple[int, int, int]:
     """``(tile, n_groups, n_chunks)`` for an input of this logical shape.
 
     Tiles of ``config.TOKENS_PER_TILE`` tokens; on one thread one group of all heads.
-    In parallel, ``n_chunks`` = threads x ``config.CHUNKS_PER_THREAD`` chunks of units,
+    In parallel, ``n_chunks`` = threads (numba's, unless ``threads`` is given: 2 for
+    the caller and the helper thread) x ``config.CHUNKS_PER_THREAD`` chunks of units,
     and heads are split into groups only when there are fewer (batch, tile) units than
     chunks (e.g. one long decode step with many heads).
     """
     tile = max(1, config.TOKENS_PER_TILE)
     if not parallel:
         return tile, 1, 1
-    n_chunks = max(1, numba.get_num_threads() * config.CHUNKS_PER_THREAD)
+    if threads is None:
+        threads = numba.get_num_threads()
+    n_chunks = max(1, threads * config.CHUNKS_PER_THREAD)
     units = batch * -(-seq_len // tile)
     n_groups = 1
     if units < n_chunks:
@@ -367,15 +373,22 @@ def launch(views: tuple, args: tuple, call: Call, check_overlap=True, in_place: 
     contiguous, words = row_format(*(a for pair in views for a in pair), cos, sin)
     stream = streaming(call.rotary_dim, call.interleaved, *(o for _, o in views))
     batch, _, seq_len, _ = x.shape
-    serial, parallel = kernels(
-        call.interleaved, call.inverse, contiguous, in_place, words, stream, seq_len == 1
-    )
+    options = (call.interleaved, call.inverse, contiguous, in_place, words, stream, seq_len == 1)
+    serial, parallel, relayed = kernels(*options)
     in_parallel = _parallel(size)
+    relay = not in_parallel and helper.usable(size)
     heads = max(v.shape[1] for v, _ in views)
-    tile, n_groups, n_chunks = work_split(batch, heads, seq_len, in_parallel)
+    tile, n_groups, n_chunks = work_split(
+        batch, heads, seq_len, in_parallel or relay, 2 if relay else None
+    )
     arguments = (x, k, cos, sin, positions, out, out_k, call.rotary_dim, check_overlap)
     if in_parallel:
         return _run_parallel(parallel, (*arguments, tile, n_groups, n_chunks))
+    if relay:
+        the_helper = helper.helper()
+        runner = the_helper.runner(options, (x, k, cos, sin, positions))
+        the_helper.start()
+        return relayed(*arguments, tile, n_groups, n_chunks, the_helper.block, runner)
     return serial(*arguments, tile, n_groups)
 
 
@@ -494,7 +507,19 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
     x_logical, k_logical = call.shapes[0], call.shapes[-1]
     token_major = x_logical[2] == 1  # a decode step: one token, heads share its row
     to_bhsd = bhsd_steps(inputs[0].ndim, layout, x_logical) != (None, None)
-    serials: dict[tuple[bool, int], Any] = {}  # by (contiguous, in_place)
+    batch, heads, seq_len = x_logical[0], max(x_logical[1], k_logical[1]), x_logical[2]
+    chosen: dict[tuple[bool, int], tuple] = {}  # kernels and options by (contiguous, in_place)
+    runners: dict[tuple, int] = {}  # the helper's runners, by the same and the helper
+    splits: dict[tuple[int, int], tuple[int, int, int]] = {}  # by the tuning constants
+
+    def relay_split() -> tuple[int, int, int]:
+        # work_split for the caller and the helper, remembered for the constants it reads.
+        constants = (config.TOKENS_PER_TILE, config.CHUNKS_PER_THREAD)
+        found = splits.get(constants)
+        if found is None:
+            found = splits[constants] = work_split(batch, heads, seq_len, True, 2)
+        return found
+
     distinct_strides: dict[tuple[int, ...], bool] = {}  # outputs that are not C-contiguous
 
     def distinct(out) -> bool:
@@ -553,25 +578,48 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
             contiguous = (k.flags.c_contiguous and out_k.flags.c_contiguous) or (
                 k.strides[-1] == item and out_k.strides[-1] == item
             )
-        serial = serials.get((contiguous, in_place))
-        if serial is None:
-            serial = kernels(
+        found = chosen.get((contiguous, in_place))
+        if found is None:
+            options = (
                 call.interleaved, call.inverse, contiguous, in_place, words, False, token_major
-            )[0]
-            serials[contiguous, in_place] = serial
-        status = serial(
-            x_view,
-            k_view,
-            cos,
-            sin,
-            position_ids,
-            out_view,
-            out_k_view,
-            rotary_dim,
-            True,
-            config.TOKENS_PER_TILE,
-            1,
-        )
+            )  # fmt: skip
+            found = chosen[contiguous, in_place] = (*kernels(*options), options)
+        serial, _, relayed, options = found
+        if helper.usable(size):
+            the_helper = helper.helper()
+            runner = runners.get((contiguous, in_place, the_helper))
+            if runner is None:
+                runner = the_helper.runner(options, (x_view, k_view, cos, sin, position_ids))
+                runners[contiguous, in_place, the_helper] = runner
+            the_helper.start()
+            status = relayed(
+                x_view,
+                k_view,
+                cos,
+                sin,
+                position_ids,
+                out_view,
+                out_k_view,
+                rotary_dim,
+                True,
+                *relay_split(),
+                the_helper.block,
+                runner,
+            )
+        else:
+            status = serial(
+                x_view,
+                k_view,
+                cos,
+                sin,
+                position_ids,
+                out_view,
+                out_k_view,
+                rotary_dim,
+                True,
+                config.TOKENS_PER_TILE,
+                1,
+            )
         if status != DONE:
             return None
         return (out, out_k) if two else out  # one tensor: no tuple to build and index

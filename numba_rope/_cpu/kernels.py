@@ -15,14 +15,16 @@ bfloat16 arrays arrive as 16-bit integer views (see :mod:`numba_rope._conversion
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
 from numba_rope._conversions import narrow_like, widen
+from numba_rope._cpu import relay
 from numba_rope._cpu.vector import row, store_fence, stream_copy, vector_pairs
 from numba_rope._geometry import byte_span_jit, spans_meet_jit
-from numba_rope._jit import cached_njit
+from numba_rope._jit import cached_cfunc, cached_njit
 from numba_rope._rotation import rotate_pair
 
 #: Kernel return codes besides the index of a bad position id or offset (>= 0).
@@ -228,10 +230,24 @@ def _token_units(
 
 @cached_njit(inline="always")
 def _strided_units(
-    x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups, interleaved, sign
+    x,
+    cos,
+    sin,
+    positions,
+    out,
+    rotary_dim,
+    first,
+    end,
+    tile,
+    n_groups,
+    interleaved,
+    sign,
+    words,
+    streaming,
 ):
     """:func:`_contiguous_units` for any strides: rows are slices (slower: each slice
-    updates a shared reference count)."""
+    updates a shared reference count). ``words`` and ``streaming`` are taken and not
+    used (they need contiguous rows)."""
     for unit in range(first, end):
         b, s0, s1, h0, h1 = _unit_bounds(unit, x.shape[2], x.shape[1], tile, n_groups)
         for h in range(h0, h1):
@@ -356,6 +372,89 @@ def _preflight(x, cos, sin, positions, out, check_overlap):
     return DONE if bad < 0 else bad
 
 
+def units(
+    x, k, cos, sin, positions, out, out_k, rotary_dim, first, end, tile, n_groups,
+    interleaved, sign, words, streaming, contiguous, token_major, first_in_place,
+    second_in_place,
+):  # pragma: no cover - see overload  # fmt: skip
+    """Rotate units ``first <= u < end`` (see :func:`make_kernels`): one tensor as one
+    range, two unit by unit, q's heads then k's (k reuses the tile's cos/sin rows).
+    Every kernel and the helper thread do their work through this function. The
+    options are constants (literals): the overload compiles only the row loop they
+    choose (:func:`_contiguous_units`, :func:`_token_units` or :func:`_strided_units`).
+    ``first_in_place``/``second_in_place``: the output is the input itself, passed as
+    the very same array so that LLVM sees the same pointers (see :func:`make_kernels`).
+    """
+    raise NotImplementedError
+
+
+@overload(units)
+def _units_overload(
+    x, k, cos, sin, positions, out, out_k, rotary_dim, first, end, tile, n_groups,
+    interleaved, sign, words, streaming, contiguous, token_major, first_in_place,
+    second_in_place,
+):  # fmt: skip
+    flags = (contiguous, token_major, first_in_place, second_in_place)
+    if not all(isinstance(flag, types.BooleanLiteral) for flag in flags):
+        return None  # numba asks again with the constants as literals
+    contiguous, token_major, first_in_place, second_in_place = (
+        flag.literal_value for flag in flags
+    )
+    loop = _strided_units
+    if contiguous:
+        loop = _token_units if token_major else _contiguous_units
+
+    def one(own_input):
+        # The loop over one tensor, its output the input itself or not. Compiled into
+        # the kernel that calls ``units`` (not cached on its own).
+        if own_input:
+
+            def rotate(x, out, cos, sin, positions, rotary_dim, first, end, tile, n_groups,
+                       interleaved, sign, words, streaming):  # fmt: skip
+                loop(x, cos, sin, positions, x, rotary_dim, first, end, tile, n_groups,
+                     interleaved, sign, words, streaming)  # fmt: skip
+
+        else:
+
+            def rotate(x, out, cos, sin, positions, rotary_dim, first, end, tile, n_groups,
+                       interleaved, sign, words, streaming):  # fmt: skip
+                loop(x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups,
+                     interleaved, sign, words, streaming)  # fmt: skip
+
+        return numba.njit(inline="always")(rotate)
+
+    first_tensor, second_tensor = one(first_in_place), one(second_in_place)
+    fence = streaming.literal_value if isinstance(streaming, types.BooleanLiteral) else False
+
+    def impl(
+        x, k, cos, sin, positions, out, out_k, rotary_dim, first, end, tile, n_groups,
+        interleaved, sign, words, streaming, contiguous, token_major, first_in_place,
+        second_in_place,
+    ):  # fmt: skip
+        if k is None:
+            first_tensor(x, out, cos, sin, positions, rotary_dim, first, end, tile, n_groups,
+                         interleaved, sign, words, streaming)  # fmt: skip
+        else:
+            for unit in range(first, end):
+                first_tensor(x, out, cos, sin, positions, rotary_dim, unit, unit + 1, tile,
+                             n_groups, interleaved, sign, words, streaming)  # fmt: skip
+                second_tensor(k, out_k, cos, sin, positions, rotary_dim, unit, unit + 1, tile,
+                              n_groups, interleaved, sign, words, streaming)  # fmt: skip
+        if fence:
+            store_fence()
+
+    return impl
+
+
+@cached_njit(inline="always")
+def _checked(x, k, cos, sin, positions, out, out_k, check_overlap):
+    """:func:`_preflight` of one tensor, and of the second when there is one."""
+    status = _preflight(x, cos, sin, positions, out, check_overlap)
+    if k is not None and status == DONE and check_overlap:
+        status = _second_tensor_overlaps(x, k, cos, sin, positions, out, out_k)
+    return status
+
+
 def make_kernels(
     interleaved: bool,
     inverse: bool,
@@ -400,150 +499,132 @@ def make_kernels(
     first_in_place = bool(in_place & FIRST_IN_PLACE)
     second_in_place = bool(in_place & SECOND_IN_PLACE)
 
-    # Both kernels take ``k = out_k = None`` for one tensor: numba then compiles a
-    # kernel without the second tensor's code (``k is None`` is decided by the type).
-    # One tensor rotates its units as one range; two go unit by unit, q then k. The row
-    # code is chosen here, by the constant ``contiguous``, not in an inlined helper:
-    # numba prunes a closure constant's dead branch, not an inlined argument's (a helper
-    # compiled the strided loops into every kernel too, +0.65 s cold first use).
+    # The kernels take ``k = out_k = None`` for one tensor: numba then compiles them
+    # without the second tensor's code (``k is None`` is decided by the type). Every
+    # kernel, and the helper thread, rotates through :func:`units`, given the options
+    # as constants (literals to its overload). Only constants live in these closures:
+    # numba keys its on-disk cache of a closure by its cells, and a cell holding a
+    # dispatcher (pickled with a per-process id) would miss the cache every time.
 
     @cached_njit()
     def serial(x, k, cos, sin, positions, out, out_k, rotary_dim, check_overlap, tile, n_groups):
-        if first_in_place:
-            out = x  # the same array, so that LLVM sees the same pointers (see above)
-        if second_in_place:
-            out_k = k
-        status = _preflight(x, cos, sin, positions, out, check_overlap)
-        if k is not None and status == DONE and check_overlap:
-            status = _second_tensor_overlaps(x, k, cos, sin, positions, out, out_k)
-        if status != DONE:
-            return status
-        n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
-        if k is None:
-            if contiguous:
-                if token_major:
-                    _token_units(
-                        x, cos, sin, positions, out, rotary_dim, 0, n_units, tile, n_groups,
-                        interleaved, sign, words, streaming,
-                    )  # fmt: skip
-                else:
-                    _contiguous_units(
-                        x, cos, sin, positions, out, rotary_dim, 0, n_units, tile, n_groups,
-                        interleaved, sign, words, streaming,
-                    )  # fmt: skip
-            else:
-                _strided_units(
-                    x, cos, sin, positions, out, rotary_dim, 0, n_units, tile, n_groups,
-                    interleaved, sign,
-                )  # fmt: skip
-        else:
-            for unit in range(n_units):  # q's heads, then k's: k reuses the tile's cos/sin
-                if contiguous:
-                    if token_major:
-                        _token_units(
-                            x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile, n_groups,
-                            interleaved, sign, words, streaming,
-                        )  # fmt: skip
-                    else:
-                        _contiguous_units(
-                            x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile, n_groups,
-                            interleaved, sign, words, streaming,
-                        )  # fmt: skip
-                else:
-                    _strided_units(
-                        x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile, n_groups,
-                        interleaved, sign,
-                    )  # fmt: skip
-                if contiguous:
-                    if token_major:
-                        _token_units(
-                            k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups,
-                            interleaved, sign, words, streaming,
-                        )  # fmt: skip
-                    else:
-                        _contiguous_units(
-                            k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups,
-                            interleaved, sign, words, streaming,
-                        )  # fmt: skip
-                else:
-                    _strided_units(
-                        k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups,
-                        interleaved, sign,
-                    )  # fmt: skip
-        if streaming:
-            store_fence()
-        return DONE
+        status = _checked(x, k, cos, sin, positions, out, out_k, check_overlap)
+        if status == DONE:
+            n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
+            units(x, k, cos, sin, positions, out, out_k, rotary_dim, 0, n_units, tile, n_groups,
+                  interleaved, sign, words, streaming,
+                  contiguous, token_major, first_in_place, second_in_place)  # fmt: skip
+        return status
 
     @cached_njit(parallel=True)
     def parallel(
         x, k, cos, sin, positions, out, out_k, rotary_dim, check_overlap, tile, n_groups, n_chunks
     ):
-        if first_in_place:
-            out = x  # the same array (see above)
-        if second_in_place:
-            out_k = k
-        status = _preflight(x, cos, sin, positions, out, check_overlap)
-        if k is not None and status == DONE and check_overlap:
-            status = _second_tensor_overlaps(x, k, cos, sin, positions, out, out_k)
+        status = _checked(x, k, cos, sin, positions, out, out_k, check_overlap)
         if status != DONE:
             return status
         n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
         for chunk in prange(n_chunks):
             first = chunk * n_units // n_chunks
             end = (chunk + 1) * n_units // n_chunks
-            if k is None:
-                if contiguous:
-                    if token_major:
-                        _token_units(
-                            x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups,
-                            interleaved, sign, words, streaming,
-                        )  # fmt: skip
-                    else:
-                        _contiguous_units(
-                            x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups,
-                            interleaved, sign, words, streaming,
-                        )  # fmt: skip
-                else:
-                    _strided_units(
-                        x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups,
-                        interleaved, sign,
-                    )  # fmt: skip
-            else:
-                for unit in range(first, end):
-                    if contiguous:
-                        if token_major:
-                            _token_units(
-                                x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile, n_groups,
-                                interleaved, sign, words, streaming,
-                            )  # fmt: skip
-                        else:
-                            _contiguous_units(
-                                x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile, n_groups,
-                                interleaved, sign, words, streaming,
-                            )  # fmt: skip
-                    else:
-                        _strided_units(
-                            x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile, n_groups,
-                            interleaved, sign,
-                        )  # fmt: skip
-                    if contiguous:
-                        if token_major:
-                            _token_units(
-                                k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups,
-                                interleaved, sign, words, streaming,
-                            )  # fmt: skip
-                        else:
-                            _contiguous_units(
-                                k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups,
-                                interleaved, sign, words, streaming,
-                            )  # fmt: skip
-                    else:
-                        _strided_units(
-                            k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile, n_groups,
-                            interleaved, sign,
-                        )  # fmt: skip
-            if streaming:
-                store_fence()
+            units(x, k, cos, sin, positions, out, out_k, rotary_dim, first, end, tile, n_groups,
+                  interleaved, sign, words, streaming,
+                  contiguous, token_major, first_in_place, second_in_place)  # fmt: skip
         return DONE
 
-    return serial, parallel
+    @cached_njit()
+    def relayed(
+        x, k, cos, sin, positions, out, out_k, rotary_dim, check_overlap, tile, n_groups,
+        n_chunks, block, runner,
+    ):  # fmt: skip
+        """:func:`serial` whose chunks the helper thread may share (see
+        :mod:`numba_rope._cpu.relay`): a job in ``block`` whose chunks the helper runs
+        by the function at ``runner`` (:func:`make_runner` of these options and
+        argument types)."""
+        status = _checked(x, k, cos, sin, positions, out, out_k, check_overlap)
+        if status != DONE:
+            return status
+        n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
+        # Alone when another caller's job is running, or when the helper has had no
+        # core of late (see relay.worth_sharing).
+        owner = relay.take_ownership(block)
+        if not owner or not relay.worth_sharing(block):
+            units(x, k, cos, sin, positions, out, out_k, rotary_dim, 0, n_units, tile, n_groups,
+                  interleaved, sign, words, streaming,
+                  contiguous, token_major, first_in_place, second_in_place)  # fmt: skip
+            if owner:
+                relay.release(block)
+            return DONE
+        relay.store_array(block, relay.X_AT, x)
+        relay.store_array(block, relay.OUT_AT, out)
+        if k is not None:
+            relay.store_array(block, relay.K_AT, k)
+            relay.store_array(block, relay.OUT_K_AT, out_k)
+        relay.store_array(block, relay.COS_AT, cos)
+        relay.store_array(block, relay.SIN_AT, sin)
+        relay.store_positions(block, relay.POSITIONS_AT, positions)
+        block[relay.ROTARY_DIM_AT] = rotary_dim
+        block[relay.TILE_AT] = tile
+        block[relay.GROUPS_AT] = n_groups
+        block[relay.UNITS_AT] = n_units
+        relay.publish(block, runner, n_chunks)
+        own = 0
+        chunk = relay.claim_own(block)
+        while chunk < n_chunks:
+            first = chunk * n_units // n_chunks
+            end = (chunk + 1) * n_units // n_chunks
+            units(x, k, cos, sin, positions, out, out_k, rotary_dim, first, end, tile, n_groups,
+                  interleaved, sign, words, streaming,
+                  contiguous, token_major, first_in_place, second_in_place)  # fmt: skip
+            own += 1
+            chunk = relay.claim_own(block)
+        relay.finish(block, n_chunks, own)
+        return DONE
+
+    return serial, parallel, relayed
+
+
+def make_runner(options: tuple, likes: tuple):
+    """The function the helper thread calls to run one chunk of a job of
+    :func:`make_kernels`' ``relayed`` kernel for these ``options`` (its arguments, in
+    order), whose arguments are
+    like ``likes`` (x, k, cos, sin, positions: tiny arrays of their dtypes and
+    dimensions, None, or an integer for one position offset): a C function ``void
+    run(int64 block_address, int64 chunk)`` that reads the arrays from the control
+    block and rotates the chunk's units by :func:`units`, as the caller does."""
+    interleaved, inverse, contiguous, in_place, words, streaming, token_major = options
+    sign = np.float32(-1.0 if inverse else 1.0)
+    first_in_place = bool(in_place & FIRST_IN_PLACE)
+    second_in_place = bool(in_place & SECOND_IN_PLACE)
+    x_like, k_like, cos_like, sin_like, positions_like = likes
+    two = k_like is not None
+    if not two:
+        k_like = x_like  # not read: ``two`` is a constant
+
+    @cached_cfunc(types.void(types.int64, types.int64))
+    def run(address, chunk):
+        block = relay.block_at(address)
+        x = relay.array_at(block, relay.X_AT, x_like)
+        out = relay.array_at(block, relay.OUT_AT, x_like)
+        cos = relay.array_at(block, relay.COS_AT, cos_like)
+        sin = relay.array_at(block, relay.SIN_AT, sin_like)
+        positions = relay.positions_at(block, relay.POSITIONS_AT, positions_like)
+        rotary_dim = block[relay.ROTARY_DIM_AT]
+        tile = block[relay.TILE_AT]
+        n_groups = block[relay.GROUPS_AT]
+        n_units = block[relay.UNITS_AT]
+        n_chunks = block[relay.CHUNKS]
+        first = chunk * n_units // n_chunks
+        end = (chunk + 1) * n_units // n_chunks
+        if two:
+            k = relay.array_at(block, relay.K_AT, k_like)
+            out_k = relay.array_at(block, relay.OUT_K_AT, k_like)
+            units(x, k, cos, sin, positions, out, out_k, rotary_dim, first, end, tile, n_groups,
+                  interleaved, sign, words, streaming,
+                  contiguous, token_major, first_in_place, second_in_place)  # fmt: skip
+        else:
+            units(x, None, cos, sin, positions, out, None, rotary_dim, first, end, tile,
+                  n_groups, interleaved, sign, words, streaming,
+                  contiguous, token_major, first_in_place, second_in_place)  # fmt: skip
+
+    return run

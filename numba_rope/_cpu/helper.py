@@ -1,0 +1,174 @@
+"""The helper thread: a second thread for calls too small for numba's parallel regions
+(see :mod:`numba_rope._cpu.relay` for how a call shares its chunks with it).
+
+One daemon thread per process, started by the first call that can use it. It runs
+:func:`numba_rope._cpu.relay.serve`, compiled, without the GIL, and never returns to
+Python until it is stopped (at exit): a thread that needed the GIL to join a call
+would wait for it while the caller holds it. It spins on the control block for
+``config.HELPER_SPIN_MICROSECONDS`` after its last chunk, then sleeps in growing steps
+(50 us to 10 ms), looking for work between them. It runs any kind of job: each job
+names the compiled function that runs its chunks (:func:`numba_rope._cpu.kernels.make_runner`,
+made here on the caller's thread the first time a kind is seen). No call waits for
+the helper to wake or start, only for a chunk it has claimed.
+
+Not used where it cannot help: one numba thread (``numba.set_num_threads(1)`` or
+``NUMBA_NUM_THREADS=1``), or calls below ``config.HELPER_MIN_ELEMENTS``. After
+``os.fork`` the child starts its own helper when it needs one; at exit the helper is
+stopped before the interpreter tears down.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import ctypes.util
+import os
+import platform
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from numba_rope import config
+from numba_rope._cpu import relay
+from numba_rope._cpu.kernels import make_runner
+from numba_rope._jit import thread_count
+
+#: The futex system call's number, by machine (Linux).
+_FUTEX_NUMBERS = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
+
+
+def _libc_address(posix: str, windows: str | None) -> int:
+    """Address of the C library's function ``posix`` (``windows`` from kernel32 on
+    Windows), 0 if there is none."""
+    try:
+        if os.name == "nt":
+            if windows is None:
+                return 0
+            function: Any = getattr(ctypes.windll.kernel32, windows)  # type: ignore[attr-defined]
+        else:
+            function = getattr(ctypes.CDLL(ctypes.util.find_library("c")), posix)
+        return ctypes.cast(function, ctypes.c_void_p).value or 0
+    except (OSError, AttributeError):  # pragma: no cover - every platform we know has them
+        return 0
+
+
+def _like(array: Any) -> Any:
+    """A tiny array of ``array``'s dtype and dimensions, not contiguous (numba layout
+    "A"): the helper's loop is compiled for arrays like it, whatever the call's layout.
+    None and integers (one position offset) stand for themselves."""
+    if array is None:
+        return None
+    if not isinstance(array, np.ndarray):
+        return np.int64(0)
+    return np.zeros((1,) * (array.ndim - 1) + (4,), array.dtype)[..., ::2]
+
+
+class Helper:
+    """The helper thread and its control block (see :mod:`numba_rope._cpu.relay`)."""
+
+    def __init__(self) -> None:
+        storage = np.zeros(relay.BLOCK_SLOTS + 8, np.int64)
+        start = (-storage.ctypes.data % 64) // 8  # counters on their own cache lines
+        self.block = storage[start : start + relay.BLOCK_SLOTS]
+        self.runners: dict[tuple, Any] = {}
+        self.thread: threading.Thread | None = None
+        self.spin_microseconds = -1  # none given yet
+        self.turns_per_microsecond = 0.0
+        self.yield_address = _libc_address("sched_yield", "SwitchToThread")
+        self.sleep_address = _libc_address("usleep", None)
+        futex = _FUTEX_NUMBERS.get(platform.machine().lower())
+        if sys.platform.startswith("linux") and futex is not None:
+            self.block[relay.SYSCALL] = _libc_address("syscall", None)
+            self.block[relay.FUTEX] = futex
+            self.block[relay.TIMESPEC : relay.TIMESPEC + 2] = (0, 100_000_000)  # 100 ms
+
+    def runner(self, options: tuple, arrays: tuple) -> int:
+        """Address of the function that runs a chunk of a job of the kernels of
+        ``options`` with arguments like ``arrays`` (x, k, cos, sin, positions), compiled
+        (or loaded from numba's cache) the first time, here on the caller's thread."""
+        signature = (options, *(_signature(a) for a in arrays))
+        found = self.runners.get(signature)
+        if found is None:
+            run = make_runner(options, tuple(_like(a) for a in arrays))
+            found = self.runners[signature] = run.address
+        return found
+
+    def start(self) -> None:
+        """Start the helper thread unless it runs, and give it this moment's
+        ``config.HELPER_SPIN_MICROSECONDS`` (returns at once)."""
+        if self.spin_microseconds != config.HELPER_SPIN_MICROSECONDS:
+            self.spin_microseconds = config.HELPER_SPIN_MICROSECONDS
+            if not self.turns_per_microsecond:
+                self.turns_per_microsecond = _turns_per_microsecond(self.block)
+            turns = self.spin_microseconds * self.turns_per_microsecond
+            self.block[relay.SPINS] = min(int(turns), 1 << 62)
+        if self.thread is None:
+            self.thread = threading.Thread(
+                target=relay.serve,
+                args=(self.block, self.yield_address, self.sleep_address),
+                name="numba_rope helper",
+                daemon=True,
+            )
+            self.thread.start()
+
+    def stop(self) -> None:
+        """Ask the helper to stop and wait (a second at most) for it."""
+        self.block[relay.STOP] = 1
+        if self.block[relay.SYSCALL]:
+            relay.wake(self.block)
+        if self.thread is not None:
+            self.thread.join(timeout=1.0)
+
+
+def _turns_per_microsecond(block: np.ndarray) -> float:
+    """How many idle turns of the helper's loop make a microsecond, measured."""
+    relay.idle_turns(block, 1)  # compiled (or loaded) first
+    turns = 20000
+    start = time.perf_counter()
+    relay.idle_turns(block, turns)
+    return turns / (max(time.perf_counter() - start, 1e-6) * 1e6)
+
+
+def _signature(array: Any) -> Any:
+    if array is None:
+        return None
+    if not isinstance(array, np.ndarray):
+        return int
+    return array.dtype, array.ndim
+
+
+_helper: Helper | None = None
+
+
+def helper() -> Helper:
+    """This process's helper (made on first use)."""
+    global _helper
+    if _helper is None:
+        _helper = Helper()
+    return _helper
+
+
+def usable(size: int) -> bool:
+    """Whether a call of ``size`` elements on the calling thread shares its work with
+    the helper: at least ``config.HELPER_MIN_ELEMENTS`` and more than one numba
+    thread."""
+    return size >= config.HELPER_MIN_ELEMENTS and thread_count() > 1
+
+
+def _forget_after_fork() -> None:
+    # The child has no helper thread; a call there starts one with a block of its own.
+    global _helper
+    _helper = None
+
+
+def _stop_at_exit() -> None:
+    if _helper is not None:
+        _helper.stop()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX only: Windows has no fork
+    os.register_at_fork(after_in_child=_forget_after_fork)
+atexit.register(_stop_at_exit)

@@ -1,0 +1,469 @@
+"""The kernel side of the helper thread: how a call hands chunks of its work to one
+more thread that it never waits for unless that thread has taken a chunk.
+
+A call too small for numba's parallel regions (whose worker threads the caller waits
+for at a barrier, milliseconds when another process holds their core) but large
+enough to gain from a second core, such as a decode step, runs as a *job*: the caller
+writes its arrays into a control block, publishes the job, and takes chunks itself
+from a shared counter; a helper thread (:mod:`numba_rope._cpu.helper`), spinning in
+compiled code, takes chunks from the same counter. The caller waits at the end only
+for chunks the helper has claimed and not finished. A helper that is asleep,
+descheduled or serving another kind of job claims nothing, and the caller does all
+the chunks: the job never waits for a thread that has not started on it. Every element
+is computed by the same code whichever thread takes its chunk, so the result does not
+depend on the split.
+
+The control block is an int64 array of :data:`BLOCK_SLOTS` slots, its counters on
+cache lines of their own:
+
+* ``CLAIM``: the job's generation (bits 24 and up) and the next chunk to take. The
+  caller takes chunks with an atomic add; the helper with a compare-and-swap of the
+  whole word, so that a helper that read an old job's word claims nothing of a new one.
+* ``FINISHED``: chunks the helper has finished in this generation.
+* ``OWNER`` (1 while a caller runs a job: a second caller runs alone), ``RUNNER`` (the
+  address of the compiled function that runs a chunk of this job's kind, see
+  :func:`numba_rope._cpu.kernels.make_runner`), ``CHUNKS``, ``GENERATION``, and
+  ``MISSES``/``SKIPPED`` (see :func:`worth_sharing`).
+* ``STATE``, ``STOP``, ``SPINS``: whether the helper serves, the request to stop it,
+  and how many turns it spins without work before it sleeps.
+* ``SLEEPING``, ``TIMESPEC``, ``SYSCALL``, ``FUTEX``: on Linux the helper sleeps on a
+  futex (``SLEEPING`` = 1) and the call that publishes a job wakes it; elsewhere it
+  sleeps in short steps and joins the calls that find it awake.
+* from ``ARGUMENTS`` on: the job's arrays (address, shape, strides) and integers.
+
+Everything here is a numba intrinsic (the atomics, a pause, calls through function
+addresses, arrays over addresses) or a function over them; :func:`serve` is the
+helper's loop, which never returns to Python (and so never needs the GIL) until it is
+asked to stop.
+"""
+
+from __future__ import annotations
+
+import platform
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+from numba.np.arrayobj import populate_array
+
+from numba_rope._jit import cached_njit
+
+#: Slots of the control block (int64). Counters written by both threads sit on cache
+#: lines (8 slots) of their own.
+CLAIM = 0
+FINISHED = 8
+OWNER = 16
+RUNNER = 17
+CHUNKS = 18
+GENERATION = 19
+MISSES = 20  # jobs in a row the helper took no chunk of
+SKIPPED = 21  # calls run alone since then
+STATE = 24
+STOP = 25
+SPINS = 26
+SLEEPING = 27
+TIMESPEC = 28  # and 29: the helper's longest sleep, a struct timespec (Linux)
+SYSCALL = 30  # address of the C library's ``syscall`` (Linux), else 0
+FUTEX = 31  # the futex system call's number on this machine
+ARGUMENTS = 32
+BLOCK_SLOTS = 128
+
+#: ``CLAIM`` holds the generation above these bits and the next chunk below them.
+GENERATION_SHIFT = 24
+CHUNK_MASK = (1 << GENERATION_SHIFT) - 1
+
+#: Values of ``STATE``: not started (or stopped), serving (spinning or sleeping).
+STOPPED = 0
+SERVING = 1
+
+_I64 = ir.IntType(64)
+
+
+def _slot_pointer(context, builder, block_type, block, slot):
+    array = context.make_array(block_type)(context, builder, block)
+    return builder.gep(array.data, [slot])
+
+
+@intrinsic
+def atomic_load(typingctx, block, slot):
+    """``block[slot]``, read atomically (sequentially consistent)."""
+
+    def codegen(context, builder, signature, args):
+        pointer = _slot_pointer(context, builder, signature.args[0], args[0], args[1])
+        return builder.load_atomic(pointer, "seq_cst", 8)
+
+    return types.int64(block, slot), codegen
+
+
+@intrinsic
+def atomic_store(typingctx, block, slot, value):
+    """``block[slot] = value``, atomically (sequentially consistent)."""
+
+    def codegen(context, builder, signature, args):
+        pointer = _slot_pointer(context, builder, signature.args[0], args[0], args[1])
+        value = context.cast(builder, args[2], signature.args[2], types.int64)
+        builder.store_atomic(value, pointer, "seq_cst", 8)
+        return context.get_dummy_value()
+
+    return types.void(block, slot, value), codegen
+
+
+@intrinsic
+def fetch_add(typingctx, block, slot, value):
+    """Add ``value`` to ``block[slot]`` atomically; return the value before."""
+
+    def codegen(context, builder, signature, args):
+        pointer = _slot_pointer(context, builder, signature.args[0], args[0], args[1])
+        value = context.cast(builder, args[2], signature.args[2], types.int64)
+        return builder.atomic_rmw("add", pointer, value, "seq_cst")
+
+    return types.int64(block, slot, value), codegen
+
+
+@intrinsic
+def compare_exchange(typingctx, block, slot, expected, new):
+    """Set ``block[slot]`` to ``new`` if it holds ``expected``, atomically; return
+    whether it did."""
+
+    def codegen(context, builder, signature, args):
+        pointer = _slot_pointer(context, builder, signature.args[0], args[0], args[1])
+        expected = context.cast(builder, args[2], signature.args[2], types.int64)
+        new = context.cast(builder, args[3], signature.args[3], types.int64)
+        result = builder.cmpxchg(pointer, expected, new, "seq_cst", "seq_cst")
+        return builder.extract_value(result, 1)
+
+    return types.boolean(block, slot, expected, new), codegen
+
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+
+
+@intrinsic
+def pause(typingctx):
+    """A spin-wait hint (x86 ``pause``; nothing elsewhere): the spinning thread leaves
+    the core's resources to its sibling and does not flood the memory system."""
+
+    def codegen(context, builder, signature, args):
+        if _X86:
+            function = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause"
+            )
+            builder.call(function, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@intrinsic
+def call_address(typingctx, address, argument):
+    """Call the C function ``int f(unsigned)`` at ``address`` (``sched_yield``, whose
+    argument is ignored, or ``usleep``) and return its result. The address comes at
+    run time, so no pointer is compiled into code that numba caches on disk."""
+
+    def codegen(context, builder, signature, args):
+        function_type = ir.FunctionType(ir.IntType(32), [ir.IntType(32)])
+        function = builder.inttoptr(args[0], function_type.as_pointer())
+        argument = builder.trunc(args[1], ir.IntType(32))
+        return builder.sext(builder.call(function, [argument]), _I64)
+
+    return types.int64(types.int64, types.int64), codegen
+
+
+@intrinsic
+def call_syscall(typingctx, address, number, first, second, third, fourth):
+    """``syscall(number, first, second, third, fourth)`` through the C library's
+    ``syscall`` at ``address``, called with a fixed prototype (glibc's is a few
+    instructions of assembly that read the registers only; on x86-64 and AArch64 Linux
+    integer arguments go in the same registers either way)."""
+
+    def codegen(context, builder, signature, args):
+        function_type = ir.FunctionType(_I64, [_I64] * 5)
+        function = builder.inttoptr(args[0], function_type.as_pointer())
+        return builder.call(function, list(args[1:]))
+
+    return types.int64(*(types.int64,) * 6), codegen
+
+
+@intrinsic
+def call_runner(typingctx, address, block, chunk):
+    """Call the compiled ``void run(int64 block_address, int64 chunk)`` at
+    ``address`` (:func:`numba_rope._cpu.kernels.make_runner`)."""
+
+    def codegen(context, builder, signature, args):
+        function_type = ir.FunctionType(ir.VoidType(), [_I64, _I64])
+        function = builder.inttoptr(args[0], function_type.as_pointer())
+        array = context.make_array(signature.args[1])(context, builder, args[1])
+        builder.call(function, [builder.ptrtoint(array.data, _I64), args[2]])
+        return context.get_dummy_value()
+
+    return types.void(types.int64, block, types.int64), codegen
+
+
+@intrinsic
+def block_at(typingctx, address):
+    """The control block at ``address``, as a C-contiguous int64 array of
+    :data:`BLOCK_SLOTS` slots (no copy, no reference count)."""
+    block_type = types.Array(types.int64, 1, "C")
+
+    def codegen(context, builder, signature, args):
+        view = context.make_array(block_type)(context, builder)
+        populate_array(
+            view,
+            data=builder.inttoptr(args[0], context.get_data_type(types.int64).as_pointer()),
+            shape=cgutils.pack_array(builder, [context.get_constant(types.intp, BLOCK_SLOTS)]),
+            strides=cgutils.pack_array(builder, [context.get_constant(types.intp, 8)]),
+            itemsize=context.get_constant(types.intp, 8),
+            meminfo=None,
+        )
+        return view._getvalue()
+
+    return block_type(types.int64), codegen
+
+
+@intrinsic
+def array_at(typingctx, block, slot, like):
+    """An array of ``like``'s dtype and dimensions (layout "A", writable) over the
+    address, shape and strides stored in ``block`` from ``slot`` on (see
+    :func:`store_array`): no copy, no reference count."""
+    if not isinstance(like, types.Array):
+        return None
+    result = types.Array(like.dtype, like.ndim, "A")  # mutable, whatever ``like`` is
+
+    def codegen(context, builder, signature, args):
+        array_type = signature.return_type
+        source = context.make_array(signature.args[0])(context, builder, args[0])
+        base = args[1]
+
+        def field(i):
+            index = builder.add(base, ir.Constant(base.type, i))
+            return builder.load(builder.gep(source.data, [index]))
+
+        data_type = context.get_data_type(array_type.dtype).as_pointer()
+        ndim = array_type.ndim
+        view = context.make_array(array_type)(context, builder)
+        populate_array(
+            view,
+            data=builder.inttoptr(field(0), data_type),
+            shape=cgutils.pack_array(builder, [field(1 + i) for i in range(ndim)]),
+            strides=cgutils.pack_array(builder, [field(1 + ndim + i) for i in range(ndim)]),
+            itemsize=context.get_constant(types.intp, context.get_abi_sizeof(data_type.pointee)),
+            meminfo=None,
+        )
+        return view._getvalue()
+
+    return result(block, slot, like), codegen
+
+
+@cached_njit(inline="always")
+def store_array(block, slot, array):
+    """Write ``array``'s address, shape and strides into ``block`` from ``slot`` on;
+    return the next free slot."""
+    block[slot] = array.ctypes.data
+    for i in range(array.ndim):
+        block[slot + 1 + i] = array.shape[i]
+        block[slot + 1 + array.ndim + i] = array.strides[i]
+    return slot + 1 + 2 * array.ndim
+
+
+@cached_njit(inline="always")
+def take_ownership(block):
+    """Whether this caller may publish a job (no other caller is running one)."""
+    return compare_exchange(block, OWNER, 0, 1)
+
+
+@cached_njit(inline="always")
+def publish(block, runner, n_chunks):
+    """Publish a job of ``n_chunks`` chunks whose arguments are in the block, run by
+    the function at ``runner``: a new generation whose first chunk is 0."""
+    generation = block[GENERATION] + 1
+    block[GENERATION] = generation
+    atomic_store(block, FINISHED, 0)
+    atomic_store(block, RUNNER, runner)
+    atomic_store(block, CHUNKS, n_chunks)
+    atomic_store(block, CLAIM, generation << GENERATION_SHIFT)
+    if atomic_load(block, SLEEPING) != 0:  # after CLAIM: see serve()
+        wake(block)
+
+
+#: The futex operations (private to the process).
+FUTEX_WAIT = 128
+FUTEX_WAKE = 129
+
+
+@cached_njit(inline="always")
+def wake(block):
+    """Wake the helper sleeping on its futex (the ``SLEEPING`` slot)."""
+    atomic_store(block, SLEEPING, 0)
+    address = block.ctypes.data + 8 * SLEEPING
+    call_syscall(block[SYSCALL], block[FUTEX], address, FUTEX_WAKE, 1, 0)
+
+
+@cached_njit(inline="always")
+def claim_own(block):
+    """The caller's next chunk (it may exceed the job's chunks: then none is left)."""
+    return fetch_add(block, CLAIM, 1) & CHUNK_MASK
+
+
+@cached_njit(inline="always")
+def finish(block, n_chunks, own):
+    """Wait until the helper has finished the chunks it claimed (the caller ran
+    ``own``), count the job as a miss if it claimed none, then release the block to
+    the next caller."""
+    while atomic_load(block, FINISHED) < n_chunks - own:
+        pause()
+    block[MISSES] = block[MISSES] + 1 if own == n_chunks else 0
+    block[SKIPPED] = 0
+    atomic_store(block, OWNER, 0)
+
+
+#: After this many jobs in a row that the helper took no chunk of, calls run alone,
+#: publishing one job in :data:`PROBE_EVERY` to see whether the helper is back.
+MISSES_BEFORE_ALONE = 8
+PROBE_EVERY = 64
+
+
+@cached_njit(inline="always")
+def worth_sharing(block):
+    """Whether the owner of the block should publish its job, or run it alone without
+    a word to the helper (the caller owns the block; it releases it with
+    :func:`release` when it does not publish). A helper that takes no chunk of several
+    jobs in a row has no core to run on (another process holds it, or the machine has
+    one): publishing, claiming through shared counters and waking it then only cost the
+    caller (measured 4-5 us a decode step on a 2-core VM with the other core busy), so
+    calls run alone and look again every :data:`PROBE_EVERY` calls, while the helper
+    sleeps instead of spinning (:func:`serve`)."""
+    if block[MISSES] < MISSES_BEFORE_ALONE:
+        return True
+    block[SKIPPED] += 1
+    return block[SKIPPED] % PROBE_EVERY == 0
+
+
+@cached_njit(inline="always")
+def release(block):
+    """Give the block back without having published a job."""
+    atomic_store(block, OWNER, 0)
+
+
+#: Where the job's arguments lie in the block (address, shape, strides of each array;
+#: a 4-D tensor takes 9 slots, a cache at most 7, positions at most 5).
+X_AT = ARGUMENTS
+OUT_AT = X_AT + 9
+K_AT = OUT_AT + 9
+OUT_K_AT = K_AT + 9
+COS_AT = OUT_K_AT + 9
+SIN_AT = COS_AT + 7
+POSITIONS_AT = SIN_AT + 7
+ROTARY_DIM_AT = POSITIONS_AT + 5
+TILE_AT = ROTARY_DIM_AT + 1
+GROUPS_AT = TILE_AT + 1
+UNITS_AT = GROUPS_AT + 1
+assert UNITS_AT < BLOCK_SLOTS
+
+
+def store_positions(block, slot, positions):  # pragma: no cover - see overload
+    """Write the kernels' positions (None, one offset, or an array) into the block."""
+    raise NotImplementedError
+
+
+@overload(store_positions, inline="always")
+def _store_positions_overload(block, slot, positions):
+    if isinstance(positions, types.NoneType):
+        return lambda block, slot, positions: None
+
+    if isinstance(positions, types.Integer):
+
+        def store_offset(block, slot, positions):
+            block[slot] = positions
+
+        return store_offset
+    return lambda block, slot, positions: store_array(block, slot, positions) and None
+
+
+def positions_at(block, slot, like):  # pragma: no cover - see overload
+    """The positions :func:`store_positions` wrote, of ``like``'s type."""
+    raise NotImplementedError
+
+
+@overload(positions_at, inline="always")
+def _positions_at_overload(block, slot, like):
+    if isinstance(like, types.NoneType):
+        return lambda block, slot, like: None
+    if isinstance(like, types.Integer):
+        return lambda block, slot, like: block[slot]
+    return lambda block, slot, like: array_at(block, slot, like)
+
+
+@cached_njit(nogil=True)
+def idle_turns(block, turns):
+    """``turns`` turns of the helper's loop without work (what it reads, and its
+    pause), to measure how many make a microsecond."""
+    seen = 0
+    for _ in range(turns):
+        seen += atomic_load(block, STOP) + atomic_load(block, CLAIM)
+        seen += atomic_load(block, CHUNKS)
+        pause()
+    return seen
+
+
+#: Sleeps of the helper after it has spun: from this many microseconds, doubling up to
+#: :data:`LONGEST_SLEEP` (a sleeping helper joins the calls that find it awake).
+SHORTEST_SLEEP = 50
+LONGEST_SLEEP = 10000
+
+
+@cached_njit(nogil=True)
+def serve(block, yield_address, sleep_address):
+    """The helper thread's loop: take chunks of published jobs, each run by the function
+    whose address the job names, until ``STOP``. After ``SPINS`` turns without work it
+    sleeps: on its futex where ``SYSCALL`` is set (woken by the next job, or after
+    ``TIMESPEC``), else (``usleep`` at ``sleep_address``) in doubling steps of
+    :data:`SHORTEST_SLEEP` to :data:`LONGEST_SLEEP` microseconds, looking for work
+    between them. Every 256 spinning turns it calls ``sched_yield`` at
+    ``yield_address`` (0: none), so that it never keeps a runnable caller off a core
+    they share. Returns when asked to stop."""
+    atomic_store(block, STATE, SERVING)
+    idle = 0
+    sleep = SHORTEST_SLEEP
+    while atomic_load(block, STOP) == 0:
+        word = atomic_load(block, CLAIM)
+        chunk = word & CHUNK_MASK
+        if chunk < atomic_load(block, CHUNKS) and compare_exchange(block, CLAIM, word, word + 1):
+            # The chunk is ours: its job is live and its arguments stay put until the
+            # caller has seen FINISHED count it.
+            call_runner(atomic_load(block, RUNNER), block, chunk)
+            fetch_add(block, FINISHED, 1)
+            idle = 0
+            sleep = SHORTEST_SLEEP
+            continue
+        idle += 1
+        # Spin, unless the callers run alone for want of this thread (see
+        # worth_sharing): it then sleeps until their next probe, off their cores.
+        if idle < atomic_load(block, SPINS) and atomic_load(block, MISSES) < MISSES_BEFORE_ALONE:
+            pause()
+            if yield_address != 0 and idle % 256 == 0:
+                call_address(yield_address, 0)
+        elif block[SYSCALL] != 0:
+            # Announce the sleep, then look for work once more: a caller stores CLAIM
+            # and then reads SLEEPING, this thread stores SLEEPING and then reads
+            # CLAIM, so one of the two sees the other (the futex sleeps only while
+            # SLEEPING is still 1).
+            atomic_store(block, SLEEPING, 1)
+            word = atomic_load(block, CLAIM)
+            if (word & CHUNK_MASK) < atomic_load(block, CHUNKS) or atomic_load(block, STOP):
+                atomic_store(block, SLEEPING, 0)
+                continue
+            address = block.ctypes.data
+            call_syscall(
+                block[SYSCALL], block[FUTEX], address + 8 * SLEEPING, FUTEX_WAIT, 1,
+                address + 8 * TIMESPEC,
+            )  # fmt: skip
+            if atomic_load(block, SLEEPING) == 0:  # woken by a job: spin again after it
+                idle = 0
+            atomic_store(block, SLEEPING, 0)
+        elif sleep_address != 0:
+            call_address(sleep_address, sleep)
+            sleep = min(2 * sleep, LONGEST_SLEEP)
+        elif yield_address != 0:
+            call_address(yield_address, 0)
+    atomic_store(block, STATE, STOPPED)

@@ -1,0 +1,310 @@
+"""The helper thread (numba_rope._cpu.helper, numba_rope._cpu.relay): calls between
+``config.HELPER_MIN_ELEMENTS`` and ``config.PARALLEL_MIN_ELEMENTS`` share their chunks
+with one more thread, and must give the contract's bits whichever thread takes which
+chunk, never wait for a helper that has not taken one, and leave no thread behind.
+
+The chunks a helper takes depend on timing; so the runner (what the helper calls for
+a chunk) is also tested on its own, chunk by chunk, from the control block a call
+left behind, and the caller alone with a block another caller holds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+from oracles import BFLOAT16, assert_bitwise_equal, float32_contract, make_case
+
+import numba_rope
+from numba_rope import config
+from numba_rope._cpu import backend as cpu_backend
+from numba_rope._cpu import helper, relay
+
+DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BFLOAT16]
+RUNNER = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64)
+
+
+@pytest.fixture
+def relay_always(monkeypatch):
+    """Every call below the parallel kernels' size goes through the helper's job
+    protocol, and the runners asked for are recorded."""
+    monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(cpu_backend, "PLANS", {})
+    asked = []
+    runner = helper.Helper.runner
+
+    def recording(self, options, arrays):
+        asked.append(options)
+        return runner(self, options, arrays)
+
+    monkeypatch.setattr(helper.Helper, "runner", recording)
+    return asked
+
+
+def _case(rng, dtype, positions, shape=(3, 4, 5, 16)):
+    """``(x, cos, sin, keyword arguments)`` of a call with positions of this kind."""
+    if positions == "per-token caches":
+        x, cos, sin, _ = make_case(rng, shape, dtype, position_ids=False)
+        return x, cos, sin, {}
+    x, cos, sin, ids = make_case(rng, shape, dtype, n_positions=32)
+    if positions == "ids":
+        return x, cos, sin, {"position_ids": ids}
+    if positions == "offset":
+        return x, cos, sin, {"position_offset": 7}
+    return x, cos, sin, {"position_offset": np.arange(shape[0]) * 7 % 25}
+
+
+def _expected(x, cos, sin, kwargs):
+    ids = kwargs.get("position_ids")
+    offset = kwargs.get("position_offset")
+    if offset is not None:
+        offsets = np.broadcast_to(np.asarray(offset), (x.shape[0],))
+        ids = offsets[:, None] + np.arange(x.shape[2])
+    return float32_contract(x, cos, sin, ids)
+
+
+POSITIONS = ["ids", "offset", "offsets", "per-token caches"]
+#: Each dtype with position ids, each other kind of positions in float32 (every kind of
+#: job compiles a kernel and a runner of its own: the full product would cost minutes).
+CASES = [pytest.param(d, "ids", id=f"{d.name}-ids") for d in DTYPES] + [
+    pytest.param(DTYPES[0], p, id=f"float32-{p}") for p in POSITIONS[1:]
+]
+
+
+@pytest.mark.parametrize(("dtype", "positions"), CASES)
+@pytest.mark.parametrize("in_place", [False, True], ids=["out", "in-place"])
+def test_relayed_calls_give_the_contract_bits(rng, relay_always, dtype, positions, in_place):
+    x, cos, sin, kwargs = _case(rng, dtype, positions)
+    k = rng.standard_normal((3, 2, 5, 16)).astype(dtype)
+    expected, expected_k = _expected(x, cos, sin, kwargs), _expected(k, cos, sin, kwargs)
+    for _ in range(3):  # the first through the general path, the others through plans
+        q_in, k_in = x.copy(), k.copy()
+        if in_place:
+            got = numba_rope.rotary_embedding(q_in, cos, sin, out=q_in, **kwargs)
+            got_q, got_k = numba_rope.rotary_embedding_qk(
+                x.copy(), k_in, cos, sin, out_k=k_in, **kwargs
+            )
+        else:
+            got = numba_rope.rotary_embedding(q_in, cos, sin, **kwargs)
+            got_q, got_k = numba_rope.rotary_embedding_qk(q_in, k_in, cos, sin, **kwargs)
+        assert_bitwise_equal(got, expected)
+        assert_bitwise_equal(got_q, expected)
+        assert_bitwise_equal(got_k, expected_k)
+    assert len(relay_always) >= 2  # the job protocol ran, on the general path and on plans
+
+
+def test_strided_rows_and_layouts_are_relayed_too(rng, relay_always):
+    x, cos, sin, ids = make_case(rng, (2, 6, 3, 32), np.float32, n_positions=16)
+    columns = np.ascontiguousarray(x.transpose(0, 2, 1, 3))[..., ::2]  # BSHD, strided rows
+    got = numba_rope.rotary_embedding(columns, cos[:, :8], sin[:, :8], ids, layout="bshd")
+    expected = float32_contract(
+        np.ascontiguousarray(columns.transpose(0, 2, 1, 3)), cos[:, :8], sin[:, :8], ids
+    )
+    assert_bitwise_equal(got, expected.transpose(0, 2, 1, 3))
+    assert relay_always and relay_always[0][2] is False  # the strided row code
+
+
+def _run_chunks_alone(runner, block):
+    """What the helper does, chunk by chunk, on this thread."""
+    call = RUNNER(runner)
+    for chunk in range(int(block[relay.CHUNKS])):
+        call(block.ctypes.data, chunk)
+
+
+@pytest.mark.parametrize(("dtype", "positions"), CASES)
+@pytest.mark.parametrize("two", [False, True], ids=["one", "q+k"])
+def test_the_runner_rotates_each_chunk_as_the_caller_does(rng, dtype, positions, two):
+    # A call on a block of its own (no helper: the caller takes every chunk) leaves
+    # its arguments there; the outputs are then wiped and every chunk is run again
+    # through the runner, as the helper runs it.
+    x, cos, sin, kwargs = _case(rng, dtype, positions, shape=(4, 6, 3, 16))
+    k = rng.standard_normal((4, 3, 3, 16)).astype(dtype) if two else None
+    block = np.zeros(relay.BLOCK_SLOTS, np.int64)
+    storage = cpu_backend.storage_dtype(np.dtype(dtype))
+    store = (lambda a: a) if storage is None else (lambda a: a.view(storage))
+    ids = kwargs.get("position_ids")
+    offset = kwargs.get("position_offset")
+    positions_arg = (
+        ids
+        if ids is not None
+        else None
+        if offset is None
+        else np.int64(offset)
+        if np.ndim(offset) == 0
+        else np.asarray(offset, np.int64)
+    )
+    out = np.empty_like(x)
+    out_k = None if k is None else np.empty_like(k)
+    options = (False, False, True, 0, dtype == BFLOAT16, False, False)
+    _, _, relayed = cpu_backend.kernels(*options)
+    arrays = (store(x), None if k is None else store(k), store(cos), store(sin), positions_arg)
+    runner = helper.helper().runner(options, arrays)
+    tile, n_groups, n_chunks = cpu_backend.work_split(4, 6, 3, True, 2)
+    args = (*arrays[:2], *arrays[2:], store(out), None if k is None else store(out_k), 16, True)
+    status = relayed(*args, tile, n_groups, n_chunks, block, runner)
+    assert status == -1  # DONE
+    expected = _expected(x, cos, sin, kwargs)
+    assert_bitwise_equal(out, expected)
+    out[...] = 0
+    if two:
+        out_k[...] = 0
+    _run_chunks_alone(runner, block)
+    assert_bitwise_equal(out, expected)
+    if two:
+        assert_bitwise_equal(out_k, _expected(k, cos, sin, kwargs))
+
+
+def test_a_caller_finding_the_block_taken_runs_alone(rng):
+    x, cos, sin, ids = make_case(rng, (4, 6, 3, 16), np.float32, n_positions=16)
+    block = np.zeros(relay.BLOCK_SLOTS, np.int64)
+    block[relay.OWNER] = 1  # another caller's job
+    options = (False, False, True, 0, False, False, False)
+    _, _, relayed = cpu_backend.kernels(*options)
+    out = np.empty_like(x)
+    status = relayed(x, None, cos, sin, ids, out, None, 16, True, 1024, 2, 8, block, 0)
+    assert status == -1
+    assert_bitwise_equal(out, float32_contract(x, cos, sin, ids))
+    assert block[relay.CLAIM] == 0 and block[relay.OWNER] == 1  # nothing published
+
+
+def test_the_helper_takes_chunks_and_the_bits_do_not_change(rng, monkeypatch):
+    # Timing decides which chunks the helper takes; with it spinning between calls it
+    # takes some within a few calls on any machine with a second core (10 s at most).
+    if os.cpu_count() == 1:
+        pytest.skip("one core: the helper may never run while the caller does")
+    monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(config, "HELPER_SPIN_MICROSECONDS", 10**6)
+    x, cos, sin, ids = make_case(rng, (64, 16, 1, 128), np.float32, n_positions=256)
+    expected = float32_contract(x, cos, sin, ids)
+    out = np.empty_like(x)
+    block = helper.helper().block
+    shared = 0
+    deadline = time.monotonic() + 10
+    while shared == 0 and time.monotonic() < deadline:
+        out[...] = np.nan
+        numba_rope.rotary_embedding(x, cos, sin, ids, out=out)
+        assert_bitwise_equal(out, expected)
+        shared = int(block[relay.FINISHED])  # chunks the helper ran in that call
+    assert shared > 0
+    assert any(t.name == "numba_rope helper" for t in threading.enumerate())
+    assert block[relay.STATE] == relay.SERVING and block[relay.OWNER] == 0
+
+
+def test_the_spin_time_is_read_at_each_call(monkeypatch):
+    the_helper = helper.helper()
+    monkeypatch.setattr(config, "HELPER_SPIN_MICROSECONDS", 0)
+    the_helper.start()
+    assert the_helper.block[relay.SPINS] == 0
+    monkeypatch.setattr(config, "HELPER_SPIN_MICROSECONDS", 1000)
+    the_helper.start()
+    assert the_helper.block[relay.SPINS] > 0
+
+
+def test_a_helper_stops_when_asked():
+    own = helper.Helper()
+    own.start()
+    deadline = time.monotonic() + 10
+    while own.block[relay.STATE] != relay.SERVING and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert own.block[relay.STATE] == relay.SERVING
+    own.stop()
+    assert own.thread is not None and not own.thread.is_alive()
+    assert own.block[relay.STATE] == relay.STOPPED
+
+
+def _python(script: str, **environment: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **environment},
+    )
+
+
+DECODE = textwrap.dedent("""
+    import threading
+    import numpy as np
+    import numba_rope
+    from numba_rope._cpu import helper
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 32, 1, 128)).astype(np.float32)
+    cos = rng.standard_normal((64, 64)).astype(np.float32)
+    sin = rng.standard_normal((64, 64)).astype(np.float32)
+    ids = rng.integers(0, 64, (64, 1))
+    expected = numba_rope.reference.rotary_embedding(x, cos, sin, ids, precision="contract")
+    def check():
+        for _ in range(50):
+            got = numba_rope.rotary_embedding(x, cos, sin, ids)
+            assert (got.view(np.uint32) == expected.view(np.uint32)).all()
+    def helpers():
+        return [t for t in threading.enumerate() if t.name == "numba_rope helper"]
+""")
+
+
+def test_one_numba_thread_starts_no_helper():
+    result = _python(
+        DECODE + "check()\nassert helper._helper is None and not helpers()\nprint('ok')",
+        NUMBA_NUM_THREADS="1",
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_starts_a_helper_of_its_own_and_both_exit_cleanly():
+    script = DECODE + textwrap.dedent("""
+    check()
+    parent_helper = helper._helper
+    assert parent_helper is not None and len(helpers()) == 1
+    pid = os.fork()
+    if pid == 0:
+        check()
+        ok = helper._helper is not parent_helper and len(helpers()) == 1
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    check()
+    print("ok")
+    """)
+    result = _python("import os\n" + script)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_the_thread_count_follows_numba_without_starting_its_threads():
+    # Asking numba (numba.get_num_threads) starts its worker threads; a decode step
+    # must not, or a later fork child would lose its parallel regions.
+    script = textwrap.dedent("""
+    import numba
+    from numba.np.ufunc import parallel
+    from numba_rope._jit import thread_count
+    assert thread_count() == 2 and not parallel._is_initialized
+    numba.set_num_threads(1)
+    assert thread_count() == 1 == numba.get_num_threads()
+    numba.set_num_threads(2)
+    assert thread_count() == 2
+    print("ok")
+    """)
+    result = _python(script, NUMBA_NUM_THREADS="2")
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_set_num_threads_1_keeps_calls_off_the_helper():
+    script = DECODE + textwrap.dedent("""
+    import numba
+    numba.set_num_threads(1)
+    check()
+    assert helper._helper is None and not helpers()
+    numba.set_num_threads(2)
+    check()
+    assert len(helpers()) == 1
+    print("ok")
+    """)
+    result = _python(script, NUMBA_NUM_THREADS="2")
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
