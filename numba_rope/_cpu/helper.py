@@ -92,9 +92,9 @@ class Helper:
         signature = (options, *(_signature(a) for a in arrays))
         found = self.runners.get(signature)
         if found is None:
-            run = make_runner(options, tuple(_like(a) for a in arrays))
-            found = self.runners[signature] = run.address
-        return found
+            # Kept here: the compiled code lives as long as the cfunc object does.
+            found = self.runners[signature] = make_runner(options, tuple(_like(a) for a in arrays))
+        return found.address
 
     def start(self) -> None:
         """Start the helper thread unless it runs, and give it this moment's
@@ -106,6 +106,12 @@ class Helper:
             turns = self.spin_microseconds * self.turns_per_microsecond
             self.block[relay.SPINS] = min(int(turns), 1 << 62)
         if self.thread is None:
+            # Compiled (or loaded) here: the new thread, needing the GIL at every step
+            # of that while the caller holds it, would take seconds. A block asking to
+            # stop makes the loop return at once.
+            stopped = np.zeros(relay.BLOCK_SLOTS, np.int64)
+            stopped[relay.STOP] = 1
+            relay.serve(stopped, 0, 0)
             self.thread = threading.Thread(
                 target=relay.serve,
                 args=(self.block, self.yield_address, self.sleep_address),
@@ -116,9 +122,15 @@ class Helper:
 
     def stop(self) -> None:
         """Ask the helper to stop and wait (a second at most) for it."""
-        self.block[relay.STOP] = 1
-        if self.block[relay.SYSCALL]:
-            relay.wake(self.block)
+        block = self.block
+        block[relay.STOP] = 1
+        if block[relay.SYSCALL] and block[relay.SLEEPING]:
+            block[relay.SLEEPING] = 0
+            syscall = ctypes.CFUNCTYPE(ctypes.c_long, *(ctypes.c_long,) * 5)
+            address = block.ctypes.data + 8 * relay.SLEEPING
+            syscall(int(block[relay.SYSCALL]))(
+                int(block[relay.FUTEX]), address, relay.FUTEX_WAKE, 1, 0
+            )
         if self.thread is not None:
             self.thread.join(timeout=1.0)
 

@@ -394,10 +394,10 @@ def _units_overload(
     interleaved, sign, words, streaming, contiguous, token_major, first_in_place,
     second_in_place,
 ):  # fmt: skip
-    flags = (contiguous, token_major, first_in_place, second_in_place)
+    flags = (contiguous, token_major, first_in_place, second_in_place, streaming)
     if not all(isinstance(flag, types.BooleanLiteral) for flag in flags):
         return None  # numba asks again with the constants as literals
-    contiguous, token_major, first_in_place, second_in_place = (
+    contiguous, token_major, first_in_place, second_in_place, fence = (
         flag.literal_value for flag in flags
     )
     loop = _strided_units
@@ -424,7 +424,6 @@ def _units_overload(
         return numba.njit(inline="always")(rotate)
 
     first_tensor, second_tensor = one(first_in_place), one(second_in_place)
-    fence = streaming.literal_value if isinstance(streaming, types.BooleanLiteral) else False
 
     def impl(
         x, k, cos, sin, positions, out, out_k, rotary_dim, first, end, tile, n_groups,

@@ -7,9 +7,9 @@ enough to gain from a second core, such as a decode step, runs as a *job*: the c
 writes its arrays into a control block, publishes the job, and takes chunks itself
 from a shared counter; a helper thread (:mod:`numba_rope._cpu.helper`), spinning in
 compiled code, takes chunks from the same counter. The caller waits at the end only
-for chunks the helper has claimed and not finished. A helper that is asleep,
-descheduled or serving another kind of job claims nothing, and the caller does all
-the chunks: the job never waits for a thread that has not started on it. Every element
+for chunks the helper has claimed and not finished. A helper that is asleep or
+descheduled claims nothing, and the caller does all the chunks: the job never waits
+for a thread that has not started on it. Every element
 is computed by the same code whichever thread takes its chunk, so the result does not
 depend on the split.
 
