@@ -308,3 +308,13 @@ def test_set_num_threads_1_keeps_calls_off_the_helper():
     """)
     result = _python(script, NUMBA_NUM_THREADS="2")
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_a_relayed_call_checks_positions_before_anything_is_written(rng, relay_always):
+    x, cos, sin, ids = make_case(rng, (3, 4, 5, 16), np.float32, n_positions=32)
+    ids[2, 3] = 32  # one past the caches
+    out = np.full_like(x, 7.0)
+    for _ in range(2):  # the general path, then the plan (which hands back to it)
+        with pytest.raises(IndexError, match="outside the caches"):
+            numba_rope.rotary_embedding(x, cos, sin, ids, out=out)
+        assert (out == 7.0).all()

@@ -585,6 +585,7 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
             )  # fmt: skip
             found = chosen[contiguous, in_place] = (*kernels(*options), options)
         serial, _, relayed, options = found
+        arguments = (x_view, k_view, cos, sin, position_ids, out_view, out_k_view, rotary_dim)
         if helper.usable(size):
             the_helper = helper.helper()
             runner = runners.get((contiguous, in_place, the_helper))
@@ -592,34 +593,9 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
                 runner = the_helper.runner(options, (x_view, k_view, cos, sin, position_ids))
                 runners[contiguous, in_place, the_helper] = runner
             the_helper.start()
-            status = relayed(
-                x_view,
-                k_view,
-                cos,
-                sin,
-                position_ids,
-                out_view,
-                out_k_view,
-                rotary_dim,
-                True,
-                *relay_split(),
-                the_helper.block,
-                runner,
-            )
+            status = relayed(*arguments, True, *relay_split(), the_helper.block, runner)
         else:
-            status = serial(
-                x_view,
-                k_view,
-                cos,
-                sin,
-                position_ids,
-                out_view,
-                out_k_view,
-                rotary_dim,
-                True,
-                config.TOKENS_PER_TILE,
-                1,
-            )
+            status = serial(*arguments, True, config.TOKENS_PER_TILE, 1)
         if status != DONE:
             return None
         return (out, out_k) if two else out  # one tensor: no tuple to build and index
