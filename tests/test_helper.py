@@ -318,3 +318,27 @@ def test_a_relayed_call_checks_positions_before_anything_is_written(rng, relay_a
         with pytest.raises(IndexError, match="outside the caches"):
             numba_rope.rotary_embedding(x, cos, sin, ids, out=out)
         assert (out == 7.0).all()
+
+
+def test_without_a_futex_the_helper_sleeps_in_steps_and_still_joins(rng, monkeypatch):
+    # macOS and Windows have no futex: the helper sleeps in growing steps (usleep,
+    # Sleep) and joins the calls that find it awake. Forced here with SYSCALL = 0.
+    if os.cpu_count() == 1:
+        pytest.skip("one core: the helper may never run while the caller does")
+    own = helper.Helper()
+    own.block[relay.SYSCALL] = 0
+    monkeypatch.setattr(helper, "_helper", own)
+    monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(config, "HELPER_SPIN_MICROSECONDS", 0)  # straight to sleeping
+    x, cos, sin, ids = make_case(rng, (64, 16, 1, 128), np.float32, n_positions=256)
+    expected = float32_contract(x, cos, sin, ids)
+    shared = 0
+    deadline = time.monotonic() + 10
+    try:
+        while shared == 0 and time.monotonic() < deadline:
+            assert_bitwise_equal(numba_rope.rotary_embedding(x, cos, sin, ids), expected)
+            shared = int(own.block[relay.FINISHED])
+    finally:
+        own.stop()
+    assert shared > 0
+    assert own.block[relay.STATE] == relay.STOPPED and own.block[relay.SLEEPING] == 0

@@ -5,8 +5,9 @@ One daemon thread per process, started by the first call that can use it. It run
 :func:`numba_rope._cpu.relay.serve`, compiled, without the GIL, and never returns to
 Python until it is stopped (at exit): a thread that needed the GIL to join a call
 would wait for it while the caller holds it. It spins on the control block for
-``config.HELPER_SPIN_MICROSECONDS`` after its last chunk, then sleeps in growing steps
-(50 us to 10 ms), looking for work between them. It runs any kind of job: each job
+``config.HELPER_SPIN_MICROSECONDS`` after its last chunk, then sleeps: on Linux on a
+futex that the next job wakes, elsewhere in growing steps (50 us to 10 ms), looking for
+work between them. It runs any kind of job: each job
 names the compiled function that runs its chunks (:func:`numba_rope._cpu.kernels.make_runner`,
 made here on the caller's thread the first time a kind is seen). No call waits for
 the helper to wake or start, only for a chunk it has claimed.
@@ -78,7 +79,8 @@ class Helper:
         self.spin_microseconds = -1  # none given yet
         self.turns_per_microsecond = 0.0
         self.yield_address = _libc_address("sched_yield", "SwitchToThread")
-        self.sleep_address = _libc_address("usleep", None)
+        self.sleep_address = _libc_address("usleep", "Sleep")
+        self.block[relay.SLEEP_UNIT] = 1000 if os.name == "nt" else 1  # Sleep takes ms
         futex = _FUTEX_NUMBERS.get(platform.machine().lower())
         if sys.platform.startswith("linux") and futex is not None:
             self.block[relay.SYSCALL] = _libc_address("syscall", None)

@@ -59,6 +59,7 @@ CHUNKS = 18
 GENERATION = 19
 MISSES = 20  # jobs in a row the helper took no chunk of
 SKIPPED = 21  # calls run alone since then
+SLEEP_UNIT = 22  # microseconds per unit of the sleep function's argument
 STATE = 24
 STOP = 25
 SPINS = 26
@@ -417,7 +418,8 @@ def serve(block, yield_address, sleep_address):
     """The helper thread's loop: take chunks of published jobs, each run by the function
     whose address the job names, until ``STOP``. After ``SPINS`` turns without work it
     sleeps: on its futex where ``SYSCALL`` is set (woken by the next job, or after
-    ``TIMESPEC``), else (``usleep`` at ``sleep_address``) in doubling steps of
+    ``TIMESPEC``), else (``usleep``, or Windows' ``Sleep`` in milliseconds, see
+    ``SLEEP_UNIT``, at ``sleep_address``) in doubling steps of
     :data:`SHORTEST_SLEEP` to :data:`LONGEST_SLEEP` microseconds, looking for work
     between them. Every 256 spinning turns it calls ``sched_yield`` at
     ``yield_address`` (0: none), so that it never keeps a runnable caller off a core
@@ -462,7 +464,7 @@ def serve(block, yield_address, sleep_address):
                 idle = 0
             atomic_store(block, SLEEPING, 0)
         elif sleep_address != 0:
-            call_address(sleep_address, sleep)
+            call_address(sleep_address, max(1, sleep // block[SLEEP_UNIT]))
             sleep = min(2 * sleep, LONGEST_SLEEP)
         elif yield_address != 0:
             call_address(yield_address, 0)
