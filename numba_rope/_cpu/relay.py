@@ -333,9 +333,11 @@ def worth_sharing(block):
     one): publishing, claiming through shared counters and waking it then only cost the
     caller (measured 4-5 us a decode step on a 2-core VM with the other core busy), so
     calls run alone and look again every :data:`PROBE_EVERY` calls, while the helper
-    sleeps instead of spinning (:func:`serve`)."""
-    if block[MISSES] < MISSES_BEFORE_ALONE:
-        return True
+    sleeps instead of spinning (:func:`serve`). Without a futex (not Linux) calls keep
+    publishing: the sleeping helper, looking in between its sleeps, could otherwise
+    only join a probe."""
+    if block[MISSES] < MISSES_BEFORE_ALONE or block[SYSCALL] == 0:
+        return True  # without a futex publishing wakes nobody and costs little
     block[SKIPPED] += 1
     return block[SKIPPED] % PROBE_EVERY == 0
 
