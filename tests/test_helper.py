@@ -26,6 +26,7 @@ import numba_rope
 from numba_rope import config
 from numba_rope._cpu import backend as cpu_backend
 from numba_rope._cpu import helper, relay
+from numba_rope._cpu.kernels import DONE
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BFLOAT16]
 RUNNER = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64)
@@ -111,6 +112,17 @@ def test_strided_rows_and_layouts_are_relayed_too(rng, relay_always):
     assert relay_always and relay_always[0][2] is False  # the strided row code
 
 
+def _kernel_positions(kwargs):
+    """The positions as the kernels take them: ids, None, one int64 offset or an int64
+    array of offsets."""
+    if "position_ids" in kwargs:
+        return kwargs["position_ids"]
+    offset = kwargs.get("position_offset")
+    if offset is None:
+        return None
+    return np.int64(offset) if np.ndim(offset) == 0 else np.asarray(offset, np.int64)
+
+
 def _run_chunks_alone(runner, block):
     """What the helper does, chunk by chunk, on this thread."""
     call = RUNNER(runner)
@@ -129,27 +141,17 @@ def test_the_runner_rotates_each_chunk_as_the_caller_does(rng, dtype, positions,
     block = np.zeros(relay.BLOCK_SLOTS, np.int64)
     storage = cpu_backend.storage_dtype(np.dtype(dtype))
     store = (lambda a: a) if storage is None else (lambda a: a.view(storage))
-    ids = kwargs.get("position_ids")
-    offset = kwargs.get("position_offset")
-    positions_arg = (
-        ids
-        if ids is not None
-        else None
-        if offset is None
-        else np.int64(offset)
-        if np.ndim(offset) == 0
-        else np.asarray(offset, np.int64)
-    )
     out = np.empty_like(x)
     out_k = None if k is None else np.empty_like(k)
     options = (False, False, True, 0, dtype == BFLOAT16, False, False)
     _, _, relayed = cpu_backend.kernels(*options)
+    positions_arg = _kernel_positions(kwargs)
     arrays = (store(x), None if k is None else store(k), store(cos), store(sin), positions_arg)
     runner = helper.helper().runner(options, arrays)
     tile, n_groups, n_chunks = cpu_backend.work_split(4, 6, 3, True, 2)
-    args = (*arrays[:2], *arrays[2:], store(out), None if k is None else store(out_k), 16, True)
+    args = (*arrays, store(out), None if k is None else store(out_k), 16, True)
     status = relayed(*args, tile, n_groups, n_chunks, block, runner)
-    assert status == -1  # DONE
+    assert status == DONE
     expected = _expected(x, cos, sin, kwargs)
     assert_bitwise_equal(out, expected)
     out[...] = 0
@@ -169,7 +171,7 @@ def test_a_caller_finding_the_block_taken_runs_alone(rng):
     _, _, relayed = cpu_backend.kernels(*options)
     out = np.empty_like(x)
     status = relayed(x, None, cos, sin, ids, out, None, 16, True, 1024, 2, 8, block, 0)
-    assert status == -1
+    assert status == DONE
     assert_bitwise_equal(out, float32_contract(x, cos, sin, ids))
     assert block[relay.CLAIM] == 0 and block[relay.OWNER] == 1  # nothing published
 

@@ -233,7 +233,7 @@ def kernels(
     streaming: bool = False,
     token_major: bool = False,
 ) -> tuple:
-    """``(serial, parallel)`` for these options (see
+    """``(serial, parallel, relayed)`` for these options (see
     :func:`numba_rope._cpu.kernels.make_kernels`; ``words``, ``streaming`` and
     ``token_major`` only with ``contiguous``)."""
     streaming = streaming and contiguous

@@ -458,7 +458,9 @@ def make_kernels(
     token_major: bool = False,
 ):
     """The CPU kernels for one choice of options, compiled in as constants: each call
-    compiles only the code it runs.
+    compiles only the code it runs. Returns ``(serial, parallel, relayed)``: the
+    calling thread alone, numba's parallel region, and the calling thread sharing its
+    chunks with the helper thread (:mod:`numba_rope._cpu.relay`).
 
     ``contiguous``: every row of the input, the output and the caches is contiguous
     (:func:`numba_rope._cpu.backend.rows_contiguous`; contiguous arrays, but also views such as ``qkv[...,
