@@ -33,11 +33,14 @@ HELPER_SPIN_MICROSECONDS: int = 1000
 CHUNKS_PER_THREAD: int = 4
 
 #: Tokens per tile of the CPU kernels: a unit of work is one sequence's tile of tokens
-#: over all its heads (or a group of them), head by head. Small tiles keep a tile's
-#: cos/sin rows in L1 for every head but cut each head's rows into short streams; on a
-#: 2-core AMD EPYC, 16 tokens measured 10-15% slower than 256 to 4096 on the prefill
-#: shapes (see docs/performance.md), so tiles are long.
-TOKENS_PER_TILE: int = 1024
+#: over all its heads (or a group of them). Inputs whose heads lie outside tokens in
+#: memory (``bhsd``) are rotated head by head over the tile: long tiles give each head
+#: one long stream. On the 2-core Zen 4 VM, 8192 against 1024 took the prefill (1, 32,
+#: 4096, 128) 0.75-0.93x the time, allocating calls included, batch prefill and partial
+#: unchanged (docs/performance.md); on the AVX2 VM 256 to 4096 were equal and 16 slower.
+#: Inputs with heads inside tokens (``bshd``, 3-D) go token by token in tiles that
+#: give each thread whole tokens (:func:`numba_rope._cpu.backend.work_split`).
+TOKENS_PER_TILE: int = 8192
 
 #: Outputs of at least this many bytes (q and k together) are written with non-temporal
 #: stores, straight to memory: a third less memory traffic (the output is not read into
