@@ -228,6 +228,59 @@ def test_work_split_groups_heads_when_units_are_few(monkeypatch):
     assert cpu_backend.work_split(1, 32, 10, parallel=False) == (4, 1, 1)
 
 
+@pytest.mark.parametrize("run", ["serial", "helper", "parallel"])
+@pytest.mark.parametrize("form", ["bshd", "3-D"])
+def test_token_major_order_gives_the_contract_bits(rng, monkeypatch, form, run):
+    # Heads inside tokens (bshd, ONNX's 3-D input) are rotated token by token, in
+    # tiles cut to give each chunk whole tokens: the bits of the contract all the same.
+    from numba_rope import config
+    from numba_rope._cpu import backend as cpu_backend
+
+    if run == "parallel":
+        monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 0)
+    if run == "helper":
+        monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", 0)
+    cpu_backend.PLANS.clear()
+    x, cos, sin, ids = make_case(rng, (3, 5, 11, 8), np.float16)
+    bshd = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+    assert cpu_backend.token_major(bshd.transpose(0, 2, 1, 3))
+    kwargs = {"layout": "bshd"} if form == "bshd" else {"num_heads": 5}
+    given = bshd if form == "bshd" else bshd.reshape(3, 11, 40)
+    for interleaved in (False, True):
+        want = float32_contract(x, cos, sin, ids, interleaved).transpose(0, 2, 1, 3)
+        for _ in range(2):  # the general path, then the plan
+            got = numba_rope.rotary_embedding(
+                given, cos, sin, ids, interleaved=interleaved, **kwargs
+            )
+            assert_bitwise_equal(got.reshape(want.shape), want)
+
+
+def test_token_major_follows_memory_order():
+    from numba_rope._cpu import backend as cpu_backend
+
+    bhsd = np.empty((2, 4, 6, 8), np.float32)
+    assert not cpu_backend.token_major(bhsd)  # heads outside tokens
+    assert cpu_backend.token_major(np.empty((2, 6, 4, 8), np.float32).transpose(0, 2, 1, 3))
+    assert cpu_backend.token_major(bhsd[:, :, :1])  # one token: a decode step
+    assert not cpu_backend.token_major(np.empty((2, 6, 1, 8), np.float32).transpose(0, 2, 1, 3))
+
+
+def test_work_split_gives_token_major_chunks_whole_tokens(monkeypatch):
+    from numba_rope import config
+    from numba_rope._cpu import backend as cpu_backend
+
+    monkeypatch.setattr(config, "TOKENS_PER_TILE", 8192)
+    monkeypatch.setattr(config, "CHUNKS_PER_THREAD", 4)
+    monkeypatch.setattr(numba, "get_num_threads", lambda: 2)
+    # One 4096-token prompt: 8 tiles of 512 tokens, all heads each, not 8 head groups.
+    assert cpu_backend.work_split(1, 32, 4096, True, token_major=True) == (512, 1, 8)
+    assert cpu_backend.work_split(1, 32, 4096, True) == (8192, 8, 8)
+    assert cpu_backend.work_split(3, 32, 10, True, token_major=True) == (4, 1, 8)  # 9 units
+    assert cpu_backend.work_split(16, 32, 100, True, token_major=True) == (100, 1, 8)
+    assert cpu_backend.work_split(1, 32, 1, True, token_major=True) == (8192, 8, 8)  # decode
+    assert cpu_backend.work_split(1, 32, 4096, False, token_major=True) == (8192, 1, 1)
+
+
 def test_default_threshold_routes_small_serial_and_large_parallel(rng, monkeypatch):
     from numba_rope import config
     from numba_rope._cpu import backend as cpu_backend

@@ -289,7 +289,12 @@ def takes_words(*storage_dtypes) -> bool:
 
 
 def work_split(
-    batch: int, num_heads: int, seq_len: int, parallel: bool, threads: int | None = None
+    batch: int,
+    num_heads: int,
+    seq_len: int,
+    parallel: bool,
+    threads: int | None = None,
+    token_major: bool = False,
 ) -> tuple[int, int, int]:
     """``(tile, n_groups, n_chunks)`` for an input of this logical shape.
 
@@ -297,7 +302,9 @@ def work_split(
     In parallel, ``n_chunks`` = threads (numba's, unless ``threads`` is given: 2 for
     the caller and the helper thread) x ``config.CHUNKS_PER_THREAD`` chunks of units,
     and heads are split into groups only when there are fewer (batch, tile) units than
-    chunks (e.g. one long decode step with many heads).
+    chunks (e.g. one long decode step with many heads). ``token_major`` (the kernels
+    that take a unit token by token, see :func:`token_major`): tiles short enough that
+    each chunk gets whole tokens (consecutive memory) rather than a group of heads.
     """
     tile = max(1, config.TOKENS_PER_TILE)
     if not parallel:
@@ -305,11 +312,23 @@ def work_split(
     if threads is None:
         threads = numba.get_num_threads()
     n_chunks = max(1, threads * config.CHUNKS_PER_THREAD)
+    if token_major and seq_len > 1:
+        tiles_per_sequence = -(-n_chunks // max(batch, 1))
+        tile = max(1, min(tile, -(-seq_len // tiles_per_sequence)))
     units = batch * -(-seq_len // tile)
     n_groups = 1
     if units < n_chunks:
         n_groups = max(1, min(num_heads, -(-n_chunks // max(units, 1))))
     return tile, n_groups, max(1, min(n_chunks, units * n_groups))
+
+
+def token_major(x: np.ndarray) -> bool:
+    """Whether the kernels take this BHSD view's units token by token (each token's
+    heads one after another) rather than head by head: one token (a decode step, whose
+    heads share its cos/sin row), or heads that lie inside tokens in memory (the
+    ``bshd`` layout and ONNX's 3-D input), whose token-major order reads memory
+    front to back. A choice of order only: the bits are the same."""
+    return x.shape[2] == 1 or (x.shape[1] > 1 and abs(x.strides[1]) < abs(x.strides[2]))
 
 
 def packed_caches(cos, sin, size: int, nbytes: int) -> tuple:
@@ -373,13 +392,14 @@ def launch(views: tuple, args: tuple, call: Call, check_overlap=True, in_place: 
     contiguous, words = row_format(*(a for pair in views for a in pair), cos, sin)
     stream = streaming(call.rotary_dim, call.interleaved, *(o for _, o in views))
     batch, _, seq_len, _ = x.shape
-    options = (call.interleaved, call.inverse, contiguous, in_place, words, stream, seq_len == 1)
+    by_token = contiguous and token_major(x)
+    options = (call.interleaved, call.inverse, contiguous, in_place, words, stream, by_token)
     serial, parallel, relayed = kernels(*options)
     in_parallel = _parallel(size)
     relay = not in_parallel and helper.usable(size)
     heads = max(v.shape[1] for v, _ in views)
     tile, n_groups, n_chunks = work_split(
-        batch, heads, seq_len, in_parallel or relay, 2 if relay else None
+        batch, heads, seq_len, in_parallel or relay, 2 if relay else None, by_token
     )
     arguments = (x, k, cos, sin, positions, out, out_k, call.rotary_dim, check_overlap)
     if in_parallel:
@@ -505,8 +525,10 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
     words = takes_words(storage, cache_storage)
     layout, rotary_dim = call.layout, call.rotary_dim
     x_logical, k_logical = call.shapes[0], call.shapes[-1]
-    token_major = x_logical[2] == 1  # a decode step: one token, heads share its row
     to_bhsd = bhsd_steps(inputs[0].ndim, layout, x_logical) != (None, None)
+    # token_major()'s choice, from the layout (bshd and 3-D inputs hold heads inside
+    # tokens) rather than from each call's strides: an order only, never the bits.
+    by_token = x_logical[2] == 1 or (to_bhsd and x_logical[1] > 1)
     batch, heads, seq_len = x_logical[0], max(x_logical[1], k_logical[1]), x_logical[2]
     chosen: dict[tuple[bool, int], tuple] = {}  # kernels and options by (contiguous, in_place)
     runners: dict[tuple, int] = {}  # the helper's runners, by the same and the helper
@@ -517,7 +539,7 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
         constants = (config.TOKENS_PER_TILE, config.CHUNKS_PER_THREAD)
         found = splits.get(constants)
         if found is None:
-            found = splits[constants] = work_split(batch, heads, seq_len, True, 2)
+            found = splits[constants] = work_split(batch, heads, seq_len, True, 2, by_token)
         return found
 
     distinct_strides: dict[tuple[int, ...], bool] = {}  # outputs that are not C-contiguous
@@ -581,7 +603,7 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
         found = chosen.get((contiguous, in_place))
         if found is None:
             options = (
-                call.interleaved, call.inverse, contiguous, in_place, words, False, token_major
+                call.interleaved, call.inverse, contiguous, in_place, words, False, by_token
             )  # fmt: skip
             found = chosen[contiguous, in_place] = (*kernels(*options), options)
         serial, _, relayed, options = found
