@@ -376,7 +376,7 @@ def _preflight(x, cos, sin, positions, out, check_overlap):
 
 def units(
     x, k, cos, sin, positions, out, out_k, rotary_dim, first, end, tile, n_groups,
-    interleaved, sign, words, streaming, contiguous, token_major, first_in_place,
+    interleaved, inverse, words, streaming, contiguous, token_major, first_in_place,
     second_in_place,
 ):  # pragma: no cover - see overload  # fmt: skip
     """Rotate units ``first <= u < end`` (see :func:`make_kernels`): one tensor as one
@@ -386,6 +386,7 @@ def units(
     choose (:func:`_contiguous_units`, :func:`_token_units` or :func:`_strided_units`).
     ``first_in_place``/``second_in_place``: the output is the input itself, passed as
     the very same array so that LLVM sees the same pointers (see :func:`make_kernels`).
+    ``inverse``: rotate by the negative angle (sin times -1, a constant of the loops).
     """
     raise NotImplementedError
 
@@ -393,15 +394,19 @@ def units(
 @overload(units)
 def _units_overload(
     x, k, cos, sin, positions, out, out_k, rotary_dim, first, end, tile, n_groups,
-    interleaved, sign, words, streaming, contiguous, token_major, first_in_place,
+    interleaved, inverse, words, streaming, contiguous, token_major, first_in_place,
     second_in_place,
 ):  # fmt: skip
-    flags = (contiguous, token_major, first_in_place, second_in_place, streaming)
+    flags = (contiguous, token_major, first_in_place, second_in_place, streaming, inverse)
     if not all(isinstance(flag, types.BooleanLiteral) for flag in flags):
         return None  # numba asks again with the constants as literals
-    contiguous, token_major, first_in_place, second_in_place, fence = (
+    contiguous, token_major, first_in_place, second_in_place, fence, backwards = (
         flag.literal_value for flag in flags
     )
+    # The sign of sin as a constant of the row loops: LLVM folds the product by +1
+    # away and turns -1 into a negation (exact), where a sign passed as a value cost
+    # every vector step two multiplications.
+    sign = np.float32(-1.0 if backwards else 1.0)
     loop = _strided_units
     if contiguous:
         loop = _token_units if token_major else _contiguous_units
@@ -412,7 +417,7 @@ def _units_overload(
 
     def impl(
         x, k, cos, sin, positions, out, out_k, rotary_dim, first, end, tile, n_groups,
-        interleaved, sign, words, streaming, contiguous, token_major, first_in_place,
+        interleaved, inverse, words, streaming, contiguous, token_major, first_in_place,
         second_in_place,
     ):  # fmt: skip
         if k is None:
@@ -494,7 +499,6 @@ def make_kernels(
     The result does not depend on the split: every element is computed by the same
     arithmetic.
     """
-    sign = np.float32(-1.0 if inverse else 1.0)  # exact in every compute type
     first_in_place = bool(in_place & FIRST_IN_PLACE)
     second_in_place = bool(in_place & SECOND_IN_PLACE)
 
@@ -511,7 +515,7 @@ def make_kernels(
         if status == DONE:
             n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
             units(x, k, cos, sin, positions, out, out_k, rotary_dim, 0, n_units, tile, n_groups,
-                  interleaved, sign, words, streaming,
+                  interleaved, inverse, words, streaming,
                   contiguous, token_major, first_in_place, second_in_place)  # fmt: skip
         return status
 
@@ -527,7 +531,7 @@ def make_kernels(
             first = chunk * n_units // n_chunks
             end = (chunk + 1) * n_units // n_chunks
             units(x, k, cos, sin, positions, out, out_k, rotary_dim, first, end, tile, n_groups,
-                  interleaved, sign, words, streaming,
+                  interleaved, inverse, words, streaming,
                   contiguous, token_major, first_in_place, second_in_place)  # fmt: skip
         return DONE
 
@@ -549,7 +553,7 @@ def make_kernels(
         owner = relay.take_ownership(block)
         if not owner or not relay.worth_sharing(block):
             units(x, k, cos, sin, positions, out, out_k, rotary_dim, 0, n_units, tile, n_groups,
-                  interleaved, sign, words, streaming,
+                  interleaved, inverse, words, streaming,
                   contiguous, token_major, first_in_place, second_in_place)  # fmt: skip
             if owner:
                 relay.release(block)
@@ -573,7 +577,7 @@ def make_kernels(
             first = chunk * n_units // n_chunks
             end = (chunk + 1) * n_units // n_chunks
             units(x, k, cos, sin, positions, out, out_k, rotary_dim, first, end, tile, n_groups,
-                  interleaved, sign, words, streaming,
+                  interleaved, inverse, words, streaming,
                   contiguous, token_major, first_in_place, second_in_place)  # fmt: skip
             own += 1
             chunk = relay.claim_own(block)
@@ -592,7 +596,6 @@ def make_runner(options: tuple, likes: tuple):
     run(int64 block_address, int64 chunk)`` that reads the arrays from the control
     block and rotates the chunk's units by :func:`units`, as the caller does."""
     interleaved, inverse, contiguous, in_place, words, streaming, token_major = options
-    sign = np.float32(-1.0 if inverse else 1.0)
     first_in_place = bool(in_place & FIRST_IN_PLACE)
     second_in_place = bool(in_place & SECOND_IN_PLACE)
     x_like, k_like, cos_like, sin_like, positions_like = likes
@@ -619,11 +622,11 @@ def make_runner(options: tuple, likes: tuple):
             k = relay.array_at(block, relay.K_AT, k_like)
             out_k = relay.array_at(block, relay.OUT_K_AT, k_like)
             units(x, k, cos, sin, positions, out, out_k, rotary_dim, first, end, tile, n_groups,
-                  interleaved, sign, words, streaming,
+                  interleaved, inverse, words, streaming,
                   contiguous, token_major, first_in_place, second_in_place)  # fmt: skip
         else:
             units(x, None, cos, sin, positions, out, None, rotary_dim, first, end, tile,
-                  n_groups, interleaved, sign, words, streaming,
+                  n_groups, interleaved, inverse, words, streaming,
                   contiguous, token_major, first_in_place, second_in_place)  # fmt: skip
 
     return run
