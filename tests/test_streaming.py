@@ -201,3 +201,34 @@ def test_plans_leave_streamed_outputs_to_the_general_path(rng, monkeypatch):
         assert_bitwise_equal(got_q, float32_contract(x, cos, sin, ids))
         assert_bitwise_equal(got_k, float32_contract(k, cos, sin, ids))
     assert _streamed(requested) == [True] * 6
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("dtype", STREAMED, ids=[d.name for d in STREAMED])
+@pytest.mark.parametrize(
+    ("head_size", "rotary_dim"),
+    [(128, 128), (96, 48), (40, 24), (32, 16), (60, 48), (176, 176), (104, 80), (56, 56)],
+    ids=["full", "partial", "half-12", "half-8", "copy-12", "half-88", "half-40", "half-28"],
+)
+def test_vector_steps_with_ordinary_stores_give_the_contract_bits(
+    rng, dtype, head_size, rotary_dim, interleaved
+):
+    # Rows too small to stream take the same vector steps with ordinary stores (16
+    # pairs, then 8, then the element loop), on outputs at any element offset, in place
+    # and not, with caches of the input's dtype or float32, and for the inverse.
+    shape = (2, 3, 5, head_size)
+    x, cos, sin, ids = make_case(rng, shape, dtype, rotary_dim=rotary_dim)
+    options = {"rotary_embedding_dim": rotary_dim, "interleaved": interleaved}
+    for caches in ((cos, sin), (cos.astype(np.float32), sin.astype(np.float32))):
+        want = float32_contract(x, *caches, ids, interleaved, rotary_dim)
+        out = aligned(shape, dtype, offset=dtype.itemsize)  # off any vector boundary
+        for _ in range(2):  # the general path, then the plan
+            assert numba_rope.rotary_embedding(x, *caches, ids, out=out, **options) is out
+            assert_bitwise_equal(out, want)
+            work = x.copy()
+            numba_rope.rotary_embedding(work, *caches, ids, out=work, **options)
+            assert_bitwise_equal(work, want)
+            back = numba_rope.rotary_embedding(out, *caches, ids, inverse=True, **options)
+            assert_bitwise_equal(
+                back, float32_contract(out, caches[0], -caches[1], ids, interleaved, rotary_dim)
+            )

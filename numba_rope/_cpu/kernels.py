@@ -76,12 +76,13 @@ def rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign, 
     """Rotate one row. Each pair is read before either of its elements is written, so
     ``out_row`` may be ``x_row``.
 
-    The element loops below do any row, and LLVM vectorizes them. Two options hand
-    most pairs to loops written in LLVM vectors first (:func:`~numba_rope._cpu.vector.vector_pairs`), leaving
-    the element loops what is left over: ``words`` (rows of bfloat16, caches included:
-    two elements per 32-bit word, see :mod:`numba_rope._cpu.vector`) and ``streaming`` (non-temporal stores:
-    see :mod:`numba_rope._cpu.vector`, and :func:`~numba_rope._cpu.vector.stream_copy`
-    for the channels past ``rotary_dim``).
+    The element loops below do any row, and LLVM vectorizes them. Contiguous rows of
+    float32 and the 16-bit types hand most pairs to loops written in LLVM vectors first
+    (:func:`~numba_rope._cpu.vector.vector_pairs`), leaving the element loops what is
+    left over: with ordinary stores, or by the options ``words`` (rows of bfloat16,
+    caches included: two elements per 32-bit word, see :mod:`numba_rope._cpu.vector`)
+    and ``streaming`` (non-temporal stores: see :mod:`numba_rope._cpu.vector`, and
+    :func:`~numba_rope._cpu.vector.stream_copy` for the channels past ``rotary_dim``).
 
     Inlined into kernels where the options are constants: :func:`~numba_rope._cpu.vector.vector_pairs` and
     :func:`~numba_rope._cpu.vector.stream_copy` emit only the code they choose, LLVM drops the element loop

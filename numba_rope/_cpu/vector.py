@@ -5,7 +5,8 @@ argument types and literal options, and its code generator emits LLVM IR straigh
 the kernel that calls it, so nothing here is compiled on its own. They exist where
 LLVM's loop vectorizer cannot be asked for what is needed: non-temporal stores
 (streaming large outputs past the cache), bfloat16 rows taken two elements per 32-bit
-word, and the row views over raw pointers that the loops of
+word, rows without the overlap and length tests the vectorizer puts before every row
+(short rows: a decode step's), and the row views over raw pointers that the loops of
 :mod:`numba_rope._cpu.kernels` rotate.
 
 The arithmetic is :func:`numba_rope._rotation.rotate_pair`'s, one rounding per
@@ -113,10 +114,15 @@ class _Stream:
         stored.align = STREAM_ALIGNMENT
         stored.set_metadata("nontemporal", self.nontemporal)
 
-    def store(self, value, array, index, numba_type, lanes):
-        """``value`` narrowed to ``numba_type``, stored non-temporally at ``index``."""
+    def store(self, value, array, index, numba_type, lanes, nontemporal=True):
+        """``value`` narrowed to ``numba_type``, stored at ``index``: non-temporally
+        (:meth:`nontemporal_store`), or an ordinary store."""
         narrowed = narrow_code(self.builder, numba_type, value)
-        self.nontemporal_store(narrowed, self.pointer(array, index, lanes))
+        pointer = self.pointer(array, index, lanes)
+        if nontemporal:
+            self.nontemporal_store(narrowed, pointer)
+        else:
+            self.builder.store(narrowed, pointer).align = numba_type.bitwidth // 8
 
     def load_words(self, array, index, lanes):
         """``lanes`` 32-bit words of 16-bit storage from element ``index``."""
@@ -191,10 +197,18 @@ def _stream_arguments(context, builder, signature, args):
     return rows, signature.args[0].dtype, signature.args[1].dtype, half, sign
 
 
-def _stream_pairs(x_row, cos_row, sin_row, out_row, half, sign):
+def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     """Typing of a :func:`vector_pairs` step: rotate the first ``n`` pairs of a row of
     ``half`` non-interleaved pairs, ``n`` = ``half`` rounded down to a multiple of
     8, and return ``n``; steps of :data:`VECTOR_WIDTHS` pairs.
+
+    With ordinary stores (``nontemporal`` False) it is what LLVM's loop vectorizer
+    makes of the element loop, without the tests it adds to every row (do the rows
+    overlap, are there enough pairs) and its scalar remainder: a decode step's rows
+    are 64 pairs, and those tests cost about as much as the pairs. The kernels never
+    give it an output that partly overlaps an input (see
+    :func:`numba_rope._cpu.kernels.make_kernels`); in place, each step reads its pairs
+    before it writes them.
 
     Written in LLVM vectors so that the stores can be non-temporal: the output goes to
     memory without first being read into the cache (a third of the memory traffic of
@@ -222,8 +236,8 @@ def _stream_pairs(x_row, cos_row, sin_row, out_row, half, sign):
                 stream.load(sin, first, cache_type, lanes),
                 sign,
             )
-            stream.store(y1, out, first, x_type, lanes)
-            stream.store(y2, out, second, x_type, lanes)
+            stream.store(y1, out, first, x_type, lanes, nontemporal)
+            stream.store(y2, out, second, x_type, lanes, nontemporal)
 
         return stream.steps(ir.Constant(stream.intp, 0), half, step)
 
@@ -244,7 +258,7 @@ def _interleaved(pairs):
     return [lane for pair in range(pairs) for lane in (pair, pair + pairs)]
 
 
-def _stream_interleaved_pairs(x_row, cos_row, sin_row, out_row, half, sign):
+def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     """:func:`_stream_pairs` for interleaved pairs (the output row must start on
     :data:`STREAM_ALIGNMENT` bytes): the pairs of a step are loaded as one
     vector, split into firsts and seconds, and merged back after the rotation."""
@@ -268,7 +282,7 @@ def _stream_interleaved_pairs(x_row, cos_row, sin_row, out_row, half, sign):
                 sign,
             )
             merged = stream.shuffle(y1, y2, _interleaved(lanes))
-            stream.store(merged, out, element, x_type, 2 * lanes)
+            stream.store(merged, out, element, x_type, 2 * lanes, nontemporal)
 
         return stream.steps(ir.Constant(stream.intp, 0), half, step)
 
@@ -341,15 +355,17 @@ def _word_interleaved_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row
 
 
 #: The vector step of a row (typing functions) by (interleaved, words, streaming): the
-#: word loops (ordinary stores), their streaming forms (non-temporal stores) and the
-#: streaming element vectors; see :func:`vector_pairs`.
+#: word loops and the element vectors, each with ordinary stores and in a streaming form
+#: (non-temporal stores); see :func:`vector_pairs`.
 _VECTOR_PAIRS = {
     (False, True, False): functools.partial(_word_pairs_typing, False),
     (True, True, False): functools.partial(_word_interleaved_pairs_typing, False),
     (False, True, True): functools.partial(_word_pairs_typing, True),
     (True, True, True): functools.partial(_word_interleaved_pairs_typing, True),
-    (False, False, True): _stream_pairs,
-    (True, False, True): _stream_interleaved_pairs,
+    (False, False, True): functools.partial(_stream_pairs, True),
+    (True, False, True): functools.partial(_stream_interleaved_pairs, True),
+    (False, False, False): functools.partial(_stream_pairs, False),
+    (True, False, False): functools.partial(_stream_interleaved_pairs, False),
 }
 
 
@@ -372,6 +388,12 @@ def vector_pairs(
         return None  # the options must be compile-time constants
     rows = (x_row, cos_row, sin_row, out_row, half, sign)
     typing = _VECTOR_PAIRS.get(options)
+    if typing is not None and not options[1] and not options[2]:
+        # Ordinary element steps: only for contiguous rows of the float32 and 16-bit
+        # storage types; the element loops do the rest (float64, strided rows).
+        contiguous = all(getattr(r, "layout", None) == "C" for r in rows[:4])
+        if not contiguous or not _stream_typing(*rows[:4]):
+            typing = None
     if typing is None:
 
         def codegen(context, builder, signature, args):
