@@ -176,6 +176,39 @@ def test_a_caller_finding_the_block_taken_runs_alone(rng):
     assert block[relay.CLAIM] == 0 and block[relay.OWNER] == 1  # nothing published
 
 
+def test_after_missed_jobs_calls_run_alone_and_probe_twice_in_a_row(rng):
+    # No helper serves this block, so every published job is a miss. After
+    # MISSES_BEFORE_ALONE of them calls run alone, publishing two jobs in a row every
+    # PROBE_EVERY calls (the first wakes a sleeping helper, the second finds it
+    # spinning); a job the helper took part in ends it.
+    x, cos, sin, ids = make_case(rng, (4, 6, 3, 16), np.float32, n_positions=16)
+    block = np.zeros(relay.BLOCK_SLOTS, np.int64)
+    block[relay.SYSCALL] = 1  # as if there were a futex (no helper sleeps on it here)
+    options = (False, False, True, 0, False, False, False)
+    _, _, relayed = cpu_backend.kernels(*options)
+    out = np.empty_like(x)
+    published = []
+    for call in range(relay.MISSES_BEFORE_ALONE + 2 * relay.PROBE_EVERY + 2):
+        before = block[relay.GENERATION]
+        status = relayed(x, None, cos, sin, ids, out, None, 16, True, 1024, 2, 8, block, 0)
+        assert status == DONE
+        if block[relay.GENERATION] != before:
+            published.append(call)
+    assert_bitwise_equal(out, float32_contract(x, cos, sin, ids))
+    alone = relay.MISSES_BEFORE_ALONE
+    probes = [alone + relay.PROBE_EVERY - 2, alone + relay.PROBE_EVERY - 1]
+    probes += [p + relay.PROBE_EVERY for p in probes]
+    assert published == list(range(alone)) + probes
+    assert block[relay.MISSES] == alone + 4
+    # The helper finished a chunk of the next job: it is back, calls publish again.
+    block[relay.MISSES] = 0
+    block[relay.SKIPPED] = 0
+    for _ in range(3):
+        before = block[relay.GENERATION]
+        relayed(x, None, cos, sin, ids, out, None, 16, True, 1024, 2, 8, block, 0)
+        assert block[relay.GENERATION] == before + 1
+
+
 def test_the_helper_takes_chunks_and_the_bits_do_not_change(rng, monkeypatch):
     # Timing decides which chunks the helper takes; with it spinning between calls it
     # takes some within a few calls on any machine with a second core (10 s at most).

@@ -313,13 +313,19 @@ def finish(block, n_chunks, own):
     the next caller."""
     while atomic_load(block, FINISHED) < n_chunks - own:
         pause()
-    block[MISSES] = block[MISSES] + 1 if own == n_chunks else 0
-    block[SKIPPED] = 0
+    if own == n_chunks:
+        block[MISSES] += 1
+    else:
+        block[MISSES] = 0
+        block[SKIPPED] = 0
     atomic_store(block, OWNER, 0)
 
 
 #: After this many jobs in a row that the helper took no chunk of, calls run alone,
-#: publishing one job in :data:`PROBE_EVERY` to see whether the helper is back.
+#: publishing two jobs in a row in :data:`PROBE_EVERY` to see whether the helper is
+#: back: the first wakes it, the second finds it spinning (a woken helper may come too
+#: late for the job that woke it: on the 2-core VM calls stayed alone for 1400 decode
+#: steps after the other core fell idle, every single probe missed).
 MISSES_BEFORE_ALONE = 8
 PROBE_EVERY = 64
 
@@ -339,7 +345,7 @@ def worth_sharing(block):
     if block[MISSES] < MISSES_BEFORE_ALONE or block[SYSCALL] == 0:
         return True  # without a futex publishing wakes nobody and costs little
     block[SKIPPED] += 1
-    return block[SKIPPED] % PROBE_EVERY == 0
+    return (block[SKIPPED] + 1) % PROBE_EVERY < 2  # the last two calls of every PROBE_EVERY
 
 
 @cached_njit(inline="always")
@@ -429,6 +435,7 @@ def serve(block, yield_address, sleep_address):
     atomic_store(block, STATE, SERVING)
     idle = 0
     sleep = SHORTEST_SLEEP
+    woken = False  # by a job: spin after it even while callers run alone (a probe)
     while atomic_load(block, STOP) == 0:
         word = atomic_load(block, CLAIM)
         chunk = word & CHUNK_MASK
@@ -442,8 +449,11 @@ def serve(block, yield_address, sleep_address):
             continue
         idle += 1
         # Spin, unless the callers run alone for want of this thread (see
-        # worth_sharing): it then sleeps until their next probe, off their cores.
-        if idle < atomic_load(block, SPINS) and atomic_load(block, MISSES) < MISSES_BEFORE_ALONE:
+        # worth_sharing): it then sleeps until their next probe, off their cores, and
+        # spins after the probe that woke it, for the one that follows.
+        if idle < atomic_load(block, SPINS) and (
+            woken or atomic_load(block, MISSES) < MISSES_BEFORE_ALONE
+        ):
             pause()
             if yield_address != 0 and idle % 256 == 0:
                 call_address(yield_address, 0)
@@ -462,7 +472,8 @@ def serve(block, yield_address, sleep_address):
                 block[SYSCALL], block[FUTEX], address + 8 * SLEEPING, FUTEX_WAIT, 1,
                 address + 8 * TIMESPEC,
             )  # fmt: skip
-            if atomic_load(block, SLEEPING) == 0:  # woken by a job: spin again after it
+            woken = atomic_load(block, SLEEPING) == 0  # by a job: spin again after it
+            if woken:
                 idle = 0
             atomic_store(block, SLEEPING, 0)
         elif sleep_address != 0:
