@@ -90,6 +90,8 @@ class TorchArrays:
         if a is None:
             return None
         a = np.ascontiguousarray(a)
+        if not a.flags.writeable:  # torch warns on read-only arrays (the cases' are)
+            a = a.copy()
         if a.dtype == BFLOAT16:
             return self.torch.from_numpy(a.view(np.int16)).view(self.torch.bfloat16).to(self.device)
         return self.torch.from_numpy(a).to(self.device)
