@@ -15,6 +15,32 @@ from numba_rope._cpu import vector as cpu_vector
 STREAMED = [np.dtype(np.float32), np.dtype(np.float16), BFLOAT16]
 
 
+def rows(test):
+    """Every row width of the vector steps (see the streamed test), both pair orders,
+    each dtype."""
+    marks = (
+        pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"]),
+        pytest.mark.parametrize("dtype", STREAMED, ids=[d.name for d in STREAMED]),
+        pytest.mark.parametrize(
+            ("head_size", "rotary_dim"),
+            [(128, 128), (96, 48), (40, 24), (32, 16), (60, 48), (176, 176), (104, 80), (56, 56)],
+            ids=[
+                "full",
+                "partial",
+                "half-12",
+                "half-8",
+                "copy-12",
+                "half-88",
+                "half-40",
+                "half-28",
+            ],
+        ),
+    )
+    for mark in reversed(marks):
+        test = mark(test)
+    return test
+
+
 def aligned(shape, dtype, offset=0):
     """An empty array whose data starts ``offset`` bytes past a 64-byte boundary."""
     dtype = np.dtype(dtype)
@@ -46,13 +72,7 @@ def _streamed(requested):
     return [options[5] and options[2] for options in requested]
 
 
-@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
-@pytest.mark.parametrize("dtype", STREAMED, ids=[d.name for d in STREAMED])
-@pytest.mark.parametrize(
-    ("head_size", "rotary_dim"),
-    [(128, 128), (96, 48), (40, 24), (32, 16), (60, 48), (176, 176), (104, 80), (56, 56)],
-    ids=["full", "partial", "half-12", "half-8", "copy-12", "half-88", "half-40", "half-28"],
-)
+@rows
 def test_streamed_rows_give_the_contract_bits(
     rng, stream_always, dtype, head_size, rotary_dim, interleaved
 ):
@@ -203,13 +223,7 @@ def test_plans_leave_streamed_outputs_to_the_general_path(rng, monkeypatch):
     assert _streamed(requested) == [True] * 6
 
 
-@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
-@pytest.mark.parametrize("dtype", STREAMED, ids=[d.name for d in STREAMED])
-@pytest.mark.parametrize(
-    ("head_size", "rotary_dim"),
-    [(128, 128), (96, 48), (40, 24), (32, 16), (60, 48), (176, 176), (104, 80), (56, 56)],
-    ids=["full", "partial", "half-12", "half-8", "copy-12", "half-88", "half-40", "half-28"],
-)
+@rows
 def test_vector_steps_with_ordinary_stores_give_the_contract_bits(
     rng, dtype, head_size, rotary_dim, interleaved
 ):
