@@ -396,7 +396,7 @@ def launch(views: tuple, args: tuple, call: Call, check_overlap=True, in_place: 
     options = (call.interleaved, call.inverse, contiguous, in_place, words, stream, by_token)
     serial, parallel, relayed = kernels(*options)
     in_parallel = _parallel(size)
-    relay = not in_parallel and helper.usable(size)
+    relay = not in_parallel and helper.usable(size, x.dtype.itemsize)
     heads = max(v.shape[1] for v, _ in views)
     tile, n_groups, n_chunks = work_split(
         batch, heads, seq_len, in_parallel or relay, 2 if relay else None, by_token
@@ -608,7 +608,7 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
             found = chosen[contiguous, in_place] = (*kernels(*options), options)
         serial, _, relayed, options = found
         arguments = (x_view, k_view, cos, sin, position_ids, out_view, out_k_view, rotary_dim)
-        if helper.usable(size):
+        if helper.usable(size, item):
             the_helper = helper.helper()
             runner = runners.get((contiguous, in_place, the_helper))
             if runner is None:

@@ -165,11 +165,13 @@ def helper() -> Helper:
     return _helper
 
 
-def usable(size: int) -> bool:
-    """Whether a call of ``size`` elements on the calling thread shares its work with
-    the helper: at least ``config.HELPER_MIN_ELEMENTS`` and more than one numba
-    thread."""
-    return size >= config.HELPER_MIN_ELEMENTS and thread_count() > 1
+def usable(size: int, itemsize: int = 4) -> bool:
+    """Whether a call of ``size`` elements of ``itemsize`` bytes on the calling thread
+    shares its work with the helper: at least ``config.HELPER_MIN_ELEMENTS`` (16-bit
+    elements count twice: their conversions double the work per element), and more
+    than one numba thread."""
+    work = 2 * size if itemsize == 2 else size
+    return work >= config.HELPER_MIN_ELEMENTS and thread_count() > 1
 
 
 def _forget_after_fork() -> None:
