@@ -254,6 +254,7 @@ def test_bench_quick_writes_json_with_every_field(quick_report):
         for name in (
             f"copy (numba, {threads} threads)",
             "np.copyto (1 thread)",
+            "x.copy() (allocating, 1 thread)",
             "numba_rope",
             "numba_rope (allocating)",
             "numpy (spec formula, complex64)",
@@ -266,6 +267,14 @@ def test_bench_quick_writes_json_with_every_field(quick_report):
             assert row["calls_per_sample"] >= 1
             if not name.startswith(("copy", "np.copyto")):
                 assert row["ratio_to_copy"] > 0 and row["error_eps"] <= bench.TOLERANCE_EPS
+        # x.copy() is a bitwise copy, and no floor: a ratio of its own, not the ratios'
+        # denominator (the numba_rope rows' ratios divide by the faster preallocated copy).
+        fresh = rows[(dtype, "x.copy() (allocating, 1 thread)")]
+        assert fresh["kind"] == "allocating copy" and fresh["error_eps"] == 0.0
+        floor = min(rows[(dtype, n)]["median_s"] for n in (
+            f"copy (numba, {threads} threads)", "np.copyto (1 thread)"))  # fmt: skip
+        rope = rows[(dtype, "numba_rope")]
+        assert rope["ratio_to_copy"] == pytest.approx(rope["median_s"] / floor)
 
 
 def test_bench_runs_onnxruntime_where_it_can(quick_report):

@@ -233,7 +233,7 @@ def test_a_loaded_run_warns_in_the_output_and_the_json(monkeypatch, tmp_path, ca
     assert warning in data["warnings"]
     assert data["environment"]["load_average_1min_end"] == 7.5
     assert all(r["noisy"] for r in data["results"])
-    assert {r["kind"] for r in data["results"]} == {"copy", "rope"}
+    assert {r["kind"] for r in data["results"]} == {"copy", "allocating copy", "rope"}
 
 
 def test_a_run_records_its_own_share_of_the_load(monkeypatch):

@@ -35,7 +35,7 @@ def epsilon(dtype: Any) -> float:
 def check_output(case: Case, kind: str, got: Any, expected: np.ndarray) -> tuple[bool, float, str]:
     """``(ok, error in eps units, reason)`` of an output against what it should be.
 
-    ``kind`` "copy": the input bit for bit. ``kind`` "rope": the float64 reference
+    ``kind`` "copy" or "allocating copy": the input bit for bit. ``kind`` "rope": the float64 reference
     within :data:`TOLERANCE_EPS`.
     """
     got = np.asarray(got)
@@ -45,7 +45,7 @@ def check_output(case: Case, kind: str, got: Any, expected: np.ndarray) -> tuple
             math.inf,
             f"got {got.dtype} {got.shape}, want {expected.dtype} {expected.shape}",
         )
-    if kind == "copy":
+    if kind in ("copy", "allocating copy"):
         unsigned = UNSIGNED[got.dtype.itemsize]
         same = np.array_equal(got.view(unsigned), expected.view(unsigned))
         return same, 0.0 if same else math.inf, "" if same else "not a bitwise copy"

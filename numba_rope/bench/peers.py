@@ -141,6 +141,19 @@ def _numpy_copyto(case: Case, tgt: Any, threads: int) -> Prepared:
     return Prepared(lambda: np.copyto(out, x), lambda: out)
 
 
+def _numpy_copy_allocating(case: Case, tgt: Any, threads: int) -> Prepared:
+    """``x.copy()``: the issue's yardstick for allocating calls (fresh memory included)."""
+    if tgt.name != "cpu":
+        raise Unavailable("host only", everywhere=True)
+    x = case.input
+    last: list[Any] = [None]
+
+    def call():
+        last[0] = x.copy()
+
+    return Prepared(call, lambda: last[0])
+
+
 def _device_arguments(case: Case, tgt: Any):
     return (
         tgt.put(case.input),
@@ -289,12 +302,18 @@ def _torch(case: Case, tgt: Any, threads: int) -> Prepared:
     return Prepared(call, lambda: tensors.to_host(last[0]))
 
 
+#: The row of ``x.copy()``: a copy into fresh memory, not a floor (the ratios divide by
+#: the faster preallocated copy), the yardstick of allocating calls.
+ALLOCATING_COPY = "x.copy() (allocating, 1 thread)"
+
+
 def implementations(device: str, threads: int) -> list[Implementation]:
     """What ``bench`` times on a device, floors first."""
     copy_name = f"copy (numba, {threads} threads)" if device == "cpu" else "copy (device to device)"
     found = [Implementation(copy_name, "copy", _numba_copy)]
     if device == "cpu":
         found.append(Implementation("np.copyto (1 thread)", "copy", _numpy_copyto))
+        found.append(Implementation(ALLOCATING_COPY, "allocating copy", _numpy_copy_allocating))
     found += [
         Implementation("numba_rope", "rope", _numba_rope_out),
         Implementation("numba_rope (allocating)", "rope", _numba_rope_alloc),

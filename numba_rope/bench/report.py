@@ -38,7 +38,7 @@ class Result:
     gb_per_s: float | None = None
     ratio_to_copy: float | None = None
     error_eps: float | None = None
-    kind: str = "rope"  # "copy": a floor row; "rope": an implementation of RoPE
+    kind: str = "rope"  # "copy": a floor row; "allocating copy": x.copy(); "rope": RoPE
     noisy: str = ""  # why this row's times and ratio are not to be trusted ("": nothing seen)
 
 

@@ -169,7 +169,8 @@ def measure(
     except Exception as error:  # a crashing peer is a failed peer, not a crashed bench
         result.status, result.reason = "FAILED", f"{type(error).__name__}: {error}"
         return result
-    want = case.input if implementation.kind == "copy" else expected
+    copies = implementation.kind in ("copy", "allocating copy")
+    want = case.input if copies else expected
     ok, error_eps, reason = check_output(case, implementation.kind, prepared.output(), want)
     result.error_eps = error_eps
     if not ok:
@@ -183,7 +184,7 @@ def measure(
         warmup=settings.warmup,
         budget_seconds=settings.budget_seconds,
     )
-    moved = case.copy_bytes if implementation.kind == "copy" else case.rope_bytes
+    moved = case.copy_bytes if copies else case.rope_bytes
     result.status = "ok"
     result.median_s, result.p95_s = timing.median, timing.p95
     result.samples, result.calls_per_sample = timing.samples, timing.calls_per_sample
