@@ -241,6 +241,9 @@ def test_token_major_order_gives_the_contract_bits(rng, monkeypatch, form, run):
     if run == "helper":
         monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", 0)
     cpu_backend.PLANS.clear()
+    asked = []  # the kernels' options, on the general path and the plan's
+    kernels = cpu_backend.kernels
+    monkeypatch.setattr(cpu_backend, "kernels", lambda *o: asked.append(o) or kernels(*o))
     x, cos, sin, ids = make_case(rng, (3, 5, 11, 8), np.float16)
     bshd = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
     assert cpu_backend.token_major(bshd.transpose(0, 2, 1, 3))
@@ -253,6 +256,7 @@ def test_token_major_order_gives_the_contract_bits(rng, monkeypatch, form, run):
                 given, cos, sin, ids, interleaved=interleaved, **kwargs
             )
             assert_bitwise_equal(got.reshape(want.shape), want)
+    assert len(asked) >= 2 and all(options[6] for options in asked)  # token_major
 
 
 def test_token_major_follows_memory_order():
