@@ -224,6 +224,10 @@ def test_the_helper_takes_chunks_and_the_bits_do_not_change(rng, monkeypatch):
     deadline = time.monotonic() + 10
     while shared == 0 and time.monotonic() < deadline:
         out[...] = np.nan
+        # Every call publishes: a loaded machine (CI's tests run two processes with a
+        # helper each on two cores) may have sent calls into running alone (see
+        # relay.worth_sharing, tested on its own above), which is not what this tests.
+        block[relay.MISSES] = 0
         numba_rope.rotary_embedding(x, cos, sin, ids, out=out)
         assert_bitwise_equal(out, expected)
         shared = int(block[relay.FINISHED])  # chunks the helper ran in that call
