@@ -213,7 +213,7 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     Written in LLVM vectors so that the stores can be non-temporal: the output goes to
     memory without first being read into the cache (a third of the memory traffic of
     a large RoPE), which LLVM's loop vectorizer does not do for stores of unknown
-    alignment. The caller guarantees that the output row and its second half start
+    alignment. With those stores the caller guarantees that the output row and its second half start
     on :data:`STREAM_ALIGNMENT` bytes (see :func:`numba_rope._cpu.backend.streaming`); loads need no
     alignment. The arithmetic is :func:`numba_rope._rotation.rotate_pair`'s, one
     rounding per operation, no contraction: the bits of the element loop.
@@ -259,9 +259,10 @@ def _interleaved(pairs):
 
 
 def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
-    """:func:`_stream_pairs` for interleaved pairs (the output row must start on
-    :data:`STREAM_ALIGNMENT` bytes): the pairs of a step are loaded as one
-    vector, split into firsts and seconds, and merged back after the rotation."""
+    """:func:`_stream_pairs` for interleaved pairs (with non-temporal stores the output
+    row must start on :data:`STREAM_ALIGNMENT` bytes; ordinary stores take any element
+    offset): the pairs of a step are loaded as one vector, split into firsts and
+    seconds, and merged back after the rotation."""
     if not _stream_typing(x_row, cos_row, sin_row, out_row):
         return None
 
