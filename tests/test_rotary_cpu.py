@@ -259,6 +259,58 @@ def test_token_major_order_gives_the_contract_bits(rng, monkeypatch, form, run):
     assert len(asked) >= 2 and all(options[6] for options in asked)  # token_major
 
 
+@pytest.mark.parametrize("run", ["serial", "helper", "parallel"])
+@pytest.mark.parametrize("form", ["decode", "bshd"])
+def test_float16_caches_widened_per_token_give_the_contract_bits(rng, monkeypatch, form, run):
+    # Token by token, float16 cache rows are widened to float32 once for all the
+    # token's heads (exact) and the heads rotate by the widened rows: the contract's
+    # bits for every vector step width (24 pairs: a step of 16 and one of 8; 60: and
+    # 4 left to the element loop), partial rotation, the inverse, in place, and q
+    # with k of fewer heads.
+    from numba_rope import config
+    from numba_rope._cpu import backend as cpu_backend
+
+    if run == "parallel":
+        monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 0)
+    if run == "helper":
+        monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", 0)
+    cpu_backend.PLANS.clear()
+    seq_len = 1 if form == "decode" else 7
+    for head_size, rotary_dim in ((48, 0), (128, 120), (130, 48)):
+        x, cos, sin, ids = make_case(
+            rng, (3, 6, seq_len, head_size), np.float16, rotary_dim=rotary_dim
+        )
+        assert cos.dtype == np.float16
+        k = rng.standard_normal((3, 2, seq_len, head_size)).astype(np.float16)
+        layout = "bshd" if form == "bshd" else "bhsd"
+
+        def given(a):
+            return np.ascontiguousarray(a.transpose(0, 2, 1, 3)) if form == "bshd" else a.copy()
+
+        def back(a):
+            return a.transpose(0, 2, 1, 3) if form == "bshd" else a
+
+        for interleaved, inverse in ((False, False), (True, True)):
+            signed = -sin if inverse else sin  # negation is exact
+            want = float32_contract(x, cos, signed, ids, interleaved, rotary_dim)
+            options = dict(interleaved=interleaved, rotary_embedding_dim=rotary_dim, layout=layout)
+            for _ in range(2):  # the general path, then the plan
+                got = numba_rope.rotary_embedding(
+                    given(x), cos, sin, ids, inverse=inverse, **options
+                )
+                assert_bitwise_equal(back(got), want)
+        # q and k of fewer heads, in place
+        want_k = float32_contract(k, cos, sin, ids, False, rotary_dim)
+        want = float32_contract(x, cos, sin, ids, False, rotary_dim)
+        q_in, k_in = given(x), given(k)
+        numba_rope.rotary_embedding_qk(
+            q_in, k_in, cos, sin, ids, out_q=q_in, out_k=k_in,
+            rotary_embedding_dim=rotary_dim, layout=layout,
+        )  # fmt: skip
+        assert_bitwise_equal(back(q_in), want)
+        assert_bitwise_equal(back(k_in), want_k)
+
+
 def test_token_major_follows_memory_order():
     from numba_rope._cpu import backend as cpu_backend
 

@@ -157,11 +157,13 @@ def _contiguous_units(
     sign,
     words,
     streaming,
+    scratch,
 ):
     """Rotate units ``first <= u < end`` (see :func:`make_kernels`) whose rows are all
     contiguous: as C-contiguous arrays over raw pointers, which LLVM vectorizes fully
     (F16C conversions for float16). A range, not one unit: a kernel that calls this
-    once per unit ran float32 decode 8-13% slower (A/B of the kernel alone)."""
+    once per unit ran float32 decode 8-13% slower (A/B of the kernel alone).
+    ``scratch`` is taken for the signature of :func:`_token_units` and not used."""
     head_size = x.shape[3]
     half = rotary_dim // 2
     for unit in range(first, end):
@@ -183,6 +185,53 @@ def _contiguous_units(
                 )
 
 
+def _cache_scratch(cache, half):  # pragma: no cover - see overload
+    """Room for one token's cos and sin rows in float32 (``(2, half)``) when the caches
+    hold float16, whose rows :func:`_token_units` then widens once for all the token's
+    heads; else None. Made once per range of units (:func:`units`), not per token."""
+    raise NotImplementedError
+
+
+@overload(_cache_scratch, inline="always")
+def _cache_scratch_overload(cache, half):
+    # float16 storage only: F16C's conversions bound the float16 row loops (six per
+    # vector step, two of them the cache's), where bfloat16's widening is a shift.
+    if cache.dtype == types.uint16:
+        return lambda cache, half: np.empty((2, half), np.float32)
+    return lambda cache, half: None
+
+
+@cached_njit(inline="always")
+def _no_scratch(cache, half):
+    """No scratch: the row loops other than :func:`_token_units` take none."""
+    return None
+
+
+def _token_cache_rows(cos_row, sin_row, scratch):  # pragma: no cover - see overload
+    """The cache rows a token's heads rotate by: ``cos_row`` and ``sin_row`` as they
+    are, or widened into ``scratch`` (see :func:`_cache_scratch`). Widening is exact,
+    so the bits are those of the rows themselves."""
+    raise NotImplementedError
+
+
+@overload(_token_cache_rows, inline="always")
+def _token_cache_rows_overload(cos_row, sin_row, scratch):
+    if isinstance(scratch, types.NoneType):
+        return lambda cos_row, sin_row, scratch: (cos_row, sin_row)
+
+    def impl(cos_row, sin_row, scratch):
+        half = cos_row.shape[0]
+        cos_wide = row(scratch, 0, half)
+        sin_wide = row(scratch, 4 * half, half)
+        for pair in range(half):
+            i = np.uint64(pair)
+            cos_wide[i] = widen(cos_row[i])
+            sin_wide[i] = widen(sin_row[i])
+        return cos_wide, sin_wide
+
+    return impl
+
+
 @cached_njit(inline="always")
 def _token_units(
     x,
@@ -199,6 +248,7 @@ def _token_units(
     sign,
     words,
     streaming,
+    scratch,
 ):
     """:func:`_contiguous_units` token by token, and inside a token head by head: the
     order of a decode step's units (one token, every head), whose loop over heads then
@@ -207,14 +257,23 @@ def _token_units(
     whose heads lie inside tokens (``bshd``), which it reads front to back (a bshd
     prefill 0.34-0.59x the time of head-major in one process). The other order is
     kept for inputs whose heads lie outside tokens, whose rows it streams head by
-    head."""
+    head.
+
+    float16 cache rows are widened to float32 once per token, into ``scratch`` (see
+    :func:`_cache_scratch`), instead of in every head's vector steps: F16C's
+    conversions bound those steps, six per step with float16 caches and four without
+    (float16 decode 0.84-0.86x the time, a bshd (4, 512, 8, 128) 0.88x, one-process
+    A/B). Widening is exact: the bits do not change."""
     head_size = x.shape[3]
     half = rotary_dim // 2
     for unit in range(first, end):
         b, s0, s1, h0, h1 = _unit_bounds(unit, x.shape[2], x.shape[1], tile, n_groups)
         for s in range(s0, s1):
-            cos_row = row(cos, _cache_row_offset(cos, positions, b, s), half)
-            sin_row = row(sin, _cache_row_offset(sin, positions, b, s), half)
+            cos_row, sin_row = _token_cache_rows(
+                row(cos, _cache_row_offset(cos, positions, b, s), half),
+                row(sin, _cache_row_offset(sin, positions, b, s), half),
+                scratch,
+            )
             for h in range(h0, h1):
                 x_offset = b * x.strides[0] + h * x.strides[1] + s * x.strides[2]
                 out_offset = b * out.strides[0] + h * out.strides[1] + s * out.strides[2]
@@ -247,10 +306,11 @@ def _strided_units(
     sign,
     words,
     streaming,
+    scratch,
 ):
     """:func:`_contiguous_units` for any strides: rows are slices (slower: each slice
-    updates a shared reference count). ``words`` and ``streaming`` are taken and not
-    used (they need contiguous rows)."""
+    updates a shared reference count). ``words``, ``streaming`` and ``scratch`` are
+    taken and not used (they need contiguous rows)."""
     for unit in range(first, end):
         b, s0, s1, h0, h1 = _unit_bounds(unit, x.shape[2], x.shape[1], tile, n_groups)
         for h in range(h0, h1):
@@ -408,9 +468,11 @@ def _units_overload(
     # away and turns -1 into a negation (exact), where a sign passed as a value cost
     # every vector step two multiplications.
     sign = np.float32(-1.0 if backwards else 1.0)
-    loop = _strided_units
+    loop, scratch_for = _strided_units, _no_scratch
     if contiguous:
         loop = _token_units if token_major else _contiguous_units
+        if token_major:
+            scratch_for = _cache_scratch  # one scratch for all the units of this range
 
     # Closure constants, which numba prunes: each loop call below compiles only if its
     # branch is taken (a wrapper function per tensor cost 40-70% more cold compile).
@@ -421,27 +483,28 @@ def _units_overload(
         interleaved, inverse, words, streaming, contiguous, token_major, first_in_place,
         second_in_place,
     ):  # fmt: skip
+        scratch = scratch_for(cos, rotary_dim // 2)
         if k is None:
             if first_own:
                 loop(x, cos, sin, positions, x, rotary_dim, first, end, tile, n_groups,
-                     interleaved, sign, words, streaming)  # fmt: skip
+                     interleaved, sign, words, streaming, scratch)  # fmt: skip
             else:
                 loop(x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups,
-                     interleaved, sign, words, streaming)  # fmt: skip
+                     interleaved, sign, words, streaming, scratch)  # fmt: skip
         else:
             for unit in range(first, end):
                 if first_own:
                     loop(x, cos, sin, positions, x, rotary_dim, unit, unit + 1, tile,
-                         n_groups, interleaved, sign, words, streaming)  # fmt: skip
+                         n_groups, interleaved, sign, words, streaming, scratch)  # fmt: skip
                 else:
                     loop(x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile,
-                         n_groups, interleaved, sign, words, streaming)  # fmt: skip
+                         n_groups, interleaved, sign, words, streaming, scratch)  # fmt: skip
                 if second_own:
                     loop(k, cos, sin, positions, k, rotary_dim, unit, unit + 1, tile,
-                         n_groups, interleaved, sign, words, streaming)  # fmt: skip
+                         n_groups, interleaved, sign, words, streaming, scratch)  # fmt: skip
                 else:
                     loop(k, cos, sin, positions, out_k, rotary_dim, unit, unit + 1, tile,
-                         n_groups, interleaved, sign, words, streaming)  # fmt: skip
+                         n_groups, interleaved, sign, words, streaming, scratch)  # fmt: skip
         if fence:
             store_fence()
 
