@@ -170,8 +170,13 @@ def usable(size: int, itemsize: int = 4) -> bool:
     shares its work with the helper: at least ``config.HELPER_MIN_ELEMENTS`` (16-bit
     elements count twice: their conversions double the work per element), and more
     than one numba thread."""
-    work = 2 * size if itemsize == 2 else size
-    return work >= config.HELPER_MIN_ELEMENTS and thread_count() > 1
+    return work(size, itemsize) >= config.HELPER_MIN_ELEMENTS and thread_count() > 1
+
+
+def work(size: int, itemsize: int) -> int:
+    """The count of work that :func:`usable` compares with
+    ``config.HELPER_MIN_ELEMENTS``: elements, 16-bit ones twice."""
+    return 2 * size if itemsize == 2 else size
 
 
 def _forget_after_fork() -> None:
