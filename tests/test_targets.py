@@ -27,7 +27,9 @@ from numba_rope.bench import make_arrays
 report = {}
 variants = [(d, w, streaming, False) for d, w in (("float32", False), ("float16", False),
             ("bfloat16", True)) for streaming in (False, True)]
-variants += [("float32", False, False, True), ("bfloat16", True, False, True)]  # decode steps
+variants += [  # decode steps (float16: cache rows widened once per token)
+    ("float32", False, False, True), ("float16", False, False, True), ("bfloat16", True, False, True)
+]
 for dtype, words, streaming, token_major in variants:
     x, cos, sin, ids = make_arrays(np.random.default_rng(0), (1, 2, 3, 64), dtype)
     storage = storage_dtype(x.dtype)
@@ -51,7 +53,7 @@ for dtype, words, streaming, token_major in variants:
 from numba_rope._cpu.helper import _like
 from numba_rope._cpu.kernels import make_runner
 
-for dtype, words in (("float32", False), ("bfloat16", True)):
+for dtype, words in (("float32", False), ("float16", False), ("bfloat16", True)):
     x, cos, sin, ids = make_arrays(np.random.default_rng(0), (1, 2, 1, 64), dtype)
     storage = storage_dtype(x.dtype)
     view = (lambda a: a) if storage is None else (lambda a: a.view(storage))
