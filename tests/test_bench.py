@@ -39,10 +39,18 @@ def subprocess_env() -> dict[str, str]:
 
 def test_workloads_are_the_issues():
     w = bench.WORKLOADS
-    assert list(w) == ["seed", "prefill", "batch_prefill", "decode", "partial"]
+    assert list(w) == ["seed", "prefill", "prefill_3d", "batch_prefill", "decode", "partial"]
     assert (w["seed"].shape, w["seed"].cache_shape) == ((2, 8, 4, 512), (100, 256))
     assert (w["prefill"].shape, w["prefill"].cache_shape) == ((1, 32, 4096, 128), (8192, 64))
     assert w["prefill"].position_ids == "arange"
+    three_d = w["prefill_3d"]  # the prefill with heads inside tokens (ONNX's 3-D input)
+    assert (three_d.shape, three_d.input_shape) == ((1, 32, 4096, 128), (1, 4096, 4096))
+    assert (three_d.cache_shape, three_d.position_ids, three_d.three_d) == (
+        (8192, 64),
+        "arange",
+        True,
+    )
+    assert not any(x.three_d for name, x in w.items() if name != "prefill_3d")
     assert (w["batch_prefill"].shape, w["batch_prefill"].position_ids) == (
         (8, 32, 1024, 128),
         "none",
@@ -75,6 +83,48 @@ def test_cases_are_reproducible_with_real_angles(name):
     assert 0 <= case.position_ids.min() and case.position_ids.max() < workload.cache_rows
     if name == "seed":
         assert case.position_ids.tolist() == [list(r) for r in bench.SEED_POSITION_IDS]
+
+
+#: A small workload of the 3-D form and its 4-D twin (same arrays from the same seed).
+TINY_3D = bench.Workload("tiny_3d", (2, 3, 5, 16), "random", 40, three_d=True)
+TINY_4D = bench.Workload("tiny_4d", (2, 3, 5, 16), "random", 40)
+
+
+def test_a_three_d_case_is_its_four_d_twin_with_heads_inside_tokens():
+    case, twin = bench.make_case(TINY_3D, "float32"), bench.make_case(TINY_4D, "float32")
+    assert case.input.shape == (2, 5, 48) and case.input.flags.c_contiguous
+    assert case.options == {"interleaved": False, "rotary_embedding_dim": 0, "num_heads": 3}
+    assert np.array_equal(case.as_bhsd(case.input), twin.input)
+    assert np.array_equal(case.from_bhsd(twin.input), case.input)
+    assert np.array_equal(case.position_ids, twin.position_ids)
+    assert case.rope_bytes == twin.rope_bytes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_every_cpu_implementation_passes_the_check_on_a_three_d_case(dtype):
+    # The 3-D input reaches numba_rope and onnxruntime as it is (num_heads=) and the
+    # specification's NumPy and torch, which take [batch, heads, seq, head] only,
+    # through a view; each output is checked against the float64 reference.
+    case = bench.make_case(TINY_3D, dtype)
+    expected = reference.rotary_embedding(
+        case.input, case.cos_cache, case.sin_cache, case.position_ids, num_heads=3
+    )
+    assert expected.shape == (2, 5, 48)
+    statuses = {}
+    for implementation in bench.implementations("cpu", 1):
+        result = bench.measure(
+            implementation, case, expected, bench.CpuTarget(), 1, bench.Settings.quick()
+        )
+        if result is not None:
+            statuses[implementation.name] = (result.status, result.reason)
+    assert statuses["numba_rope"][0] == "ok", statuses
+    assert statuses["numpy (spec formula, complex64)"][0] == "ok", statuses
+    for name, (status, reason) in statuses.items():
+        assert status in ("ok", "n/a"), (name, reason)
+    if importlib.util.find_spec("onnxruntime"):
+        assert statuses["onnxruntime"][0] == "ok", statuses
+    if importlib.util.find_spec("torch"):
+        assert statuses["torch eager"][0] == "ok", statuses
 
 
 def test_bytes_count_each_distinct_cache_row_once():

@@ -206,13 +206,15 @@ def _numpy_spec(case: Case, tgt: Any, threads: int) -> Prepared:
     w = case.workload
 
     def call():
-        last[0] = spec_formula_numpy(
-            case.input,
-            case.cos_cache,
-            case.sin_cache,
-            case.position_ids,
-            w.interleaved,
-            w.rotary_dim,
+        last[0] = case.from_bhsd(
+            spec_formula_numpy(
+                case.as_bhsd(case.input),
+                case.cos_cache,
+                case.sin_cache,
+                case.position_ids,
+                w.interleaved,
+                w.rotary_dim,
+            )
         )
 
     return Prepared(call, lambda: last[0])
@@ -233,7 +235,11 @@ def _onnxruntime_session(case: Case, tgt: Any, threads: int) -> tuple[Any, dict[
 
     w = case.workload
     model = onnx_rotary_model(
-        case.dtype, case.position_ids is not None, w.interleaved, w.rotary_dim
+        case.dtype,
+        case.position_ids is not None,
+        w.interleaved,
+        w.rotary_dim,
+        num_heads=w.shape[1] if w.three_d else 0,
     )
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
@@ -296,7 +302,8 @@ def _torch(case: Case, tgt: Any, threads: int) -> Prepared:
 
     def call():
         with torch.inference_mode():
-            last[0] = torch_rope(torch, x, cos, sin, ids, w.interleaved, w.rotary_dim)
+            rotated = torch_rope(torch, case.as_bhsd(x), cos, sin, ids, w.interleaved, w.rotary_dim)
+            last[0] = case.from_bhsd(rotated)
         synchronize()
 
     return Prepared(call, lambda: tensors.to_host(last[0]))

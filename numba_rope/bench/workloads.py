@@ -46,10 +46,19 @@ class Workload:
     interleaved: bool = False
     batched: bool = False  # small calls: time batches of calls
     description: str = ""
+    #: True: the input is ONNX's 3-D form ``[batch, seq_len, num_heads * head_size]``
+    #: (``num_heads=``), heads inside tokens as in Hugging Face's and vLLM's bshd.
+    three_d: bool = False
 
     @property
     def half(self) -> int:
         return (self.rotary_dim or self.shape[3]) // 2
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """The shape of the input array: :attr:`shape`, or its 3-D form."""
+        batch, heads, seq_len, head_size = self.shape
+        return (batch, seq_len, heads * head_size) if self.three_d else self.shape
 
     @property
     def cache_shape(self) -> tuple[int, ...]:
@@ -76,6 +85,15 @@ WORKLOADS: dict[str, Workload] = {
             "arange",
             8192,
             description="one 4096-token prompt, position ids arange(4096)",
+        ),
+        Workload(
+            "prefill_3d",
+            (1, 32, 4096, 128),
+            "arange",
+            8192,
+            three_d=True,
+            description="the prefill as ONNX's 3-D input [1, 4096, 32*128], num_heads=32: "
+            "heads inside tokens, the memory of Hugging Face's and vLLM's bshd",
         ),
         Workload(
             "batch_prefill",
@@ -113,7 +131,7 @@ def workload_table() -> str:
     for w in WORKLOADS.values():
         ids = "none" if w.position_ids == "none" else w.position_ids
         lines.append(
-            f"{w.name:<14} {w.shape!s:<20} {w.cache_shape!s:<16} {ids:<13} "
+            f"{w.name:<14} {w.input_shape!s:<20} {w.cache_shape!s:<16} {ids:<13} "
             f"{w.rotary_dim or w.shape[3]:<11} {w.interleaved}"
         )
     return "\n".join(lines)
@@ -230,10 +248,28 @@ class Case:
 
     @property
     def options(self) -> dict[str, Any]:
-        return {
+        options: dict[str, Any] = {
             "interleaved": self.workload.interleaved,
             "rotary_embedding_dim": self.workload.rotary_dim,
         }
+        if self.workload.three_d:
+            options["num_heads"] = self.workload.shape[1]
+        return options
+
+    def as_bhsd(self, array: Any) -> Any:
+        """An input or output of this case (NumPy or torch) as a ``[batch, num_heads,
+        seq_len, head_size]`` view, for peers that take that form only."""
+        if not self.workload.three_d:
+            return array
+        batch, heads, seq_len, head_size = self.workload.shape
+        return array.reshape(batch, seq_len, heads, head_size).swapaxes(1, 2)
+
+    def from_bhsd(self, array: Any) -> Any:
+        """A peer's ``[batch, num_heads, seq_len, head_size]`` result in the input's
+        form (a copy for the 3-D form, as the peer would have to make)."""
+        if not self.workload.three_d:
+            return array
+        return array.swapaxes(1, 2).reshape(self.workload.input_shape)
 
     @property
     def distinct_cache_rows(self) -> int:
@@ -274,4 +310,6 @@ def make_case(workload: Workload | str, dtype: Any, seed: int = SEED) -> Case:
         n_positions=workload.cache_rows,
         angles="rope",
     )
+    if workload.three_d:  # the same tensor with heads inside tokens
+        x = np.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(workload.input_shape)
     return Case(workload, as_dtype(dtype), x, cos, sin, ids)
