@@ -228,11 +228,10 @@ def test_work_split_groups_heads_when_units_are_few(monkeypatch):
     assert cpu_backend.work_split(1, 32, 10, parallel=False) == (4, 1, 1)
 
 
-@pytest.mark.parametrize("run", ["serial", "helper", "parallel"])
-@pytest.mark.parametrize("form", ["bshd", "3-D"])
-def test_token_major_order_gives_the_contract_bits(rng, monkeypatch, form, run):
-    # Heads inside tokens (bshd, ONNX's 3-D input) are rotated token by token, in
-    # tiles cut to give each chunk whole tokens: the bits of the contract all the same.
+def _run_on(monkeypatch, run: str) -> None:
+    """Make the calls of a test run ``run``: "serial" (the calling thread alone, as
+    small calls do), "helper" (shared with the helper thread) or "parallel" (numba's
+    parallel region), however small; no remembered plan from an earlier test."""
     from numba_rope import config
     from numba_rope._cpu import backend as cpu_backend
 
@@ -241,6 +240,16 @@ def test_token_major_order_gives_the_contract_bits(rng, monkeypatch, form, run):
     if run == "helper":
         monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", 0)
     cpu_backend.PLANS.clear()
+
+
+@pytest.mark.parametrize("run", ["serial", "helper", "parallel"])
+@pytest.mark.parametrize("form", ["bshd", "3-D"])
+def test_token_major_order_gives_the_contract_bits(rng, monkeypatch, form, run):
+    # Heads inside tokens (bshd, ONNX's 3-D input) are rotated token by token, in
+    # tiles cut to give each chunk whole tokens: the bits of the contract all the same.
+    from numba_rope._cpu import backend as cpu_backend
+
+    _run_on(monkeypatch, run)
     asked = []  # the kernels' options, on the general path and the plan's
     kernels = cpu_backend.kernels
     monkeypatch.setattr(cpu_backend, "kernels", lambda *o: asked.append(o) or kernels(*o))
@@ -267,14 +276,7 @@ def test_float16_caches_widened_per_token_give_the_contract_bits(rng, monkeypatc
     # bits for every vector step width (24 pairs: a step of 16 and one of 8; 60: and
     # 4 left to the element loop), partial rotation, the inverse, in place, and q
     # with k of fewer heads.
-    from numba_rope import config
-    from numba_rope._cpu import backend as cpu_backend
-
-    if run == "parallel":
-        monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 0)
-    if run == "helper":
-        monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", 0)
-    cpu_backend.PLANS.clear()
+    _run_on(monkeypatch, run)
     seq_len = 1 if form == "decode" else 7
     for head_size, rotary_dim in ((48, 0), (128, 120), (130, 48)):
         x, cos, sin, ids = make_case(
