@@ -165,7 +165,7 @@ def helper() -> Helper:
     return _helper
 
 
-def usable(size: int, itemsize: int = 4) -> bool:
+def usable(size: int, itemsize: int) -> bool:
     """Whether a call of ``size`` elements of ``itemsize`` bytes on the calling thread
     shares its work with the helper: at least ``config.HELPER_MIN_ELEMENTS`` (16-bit
     elements count twice: their conversions double the work per element), and more
