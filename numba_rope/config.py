@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 import sys
 import types
+from collections.abc import Callable
 
 import numpy as np
 
@@ -21,9 +22,11 @@ PARALLEL_MIN_ELEMENTS: int = 1 << 20
 #: Calls with at least this many elements, but fewer than ``PARALLEL_MIN_ELEMENTS``,
 #: share their work with one helper thread that the caller waits for only when it has
 #: taken a chunk (see ``numba_rope._cpu.helper``): a decode step (64, 32, 1, 128) in
-#: float32 goes twice as fast with it on two idle cores. 16-bit elements count twice
-#: (their conversions double the work per element): float16 calls of 32 Ki elements
-#: took 0.89-0.93x the time with the helper, float32 ones 1.11-1.16x (2-core Zen 4).
+#: float32 goes twice as fast with it on two idle cores. Below it a call runs alone,
+#: by its compiled plan once repeated: on the 2-core Zen 4 VM alone took 0.98-1.11x
+#: the time of sharing at 64 Ki float32 elements, 0.94-1.07x float16, and 0.59-0.89x
+#: at 32 Ki elements of float16 and bfloat16 (1.26-1.51x at 128 Ki float32 and 64 Ki
+#: bfloat16).
 HELPER_MIN_ELEMENTS: int = 1 << 16
 
 #: How long the helper thread spins after its last chunk, waiting for the next call,
@@ -82,6 +85,16 @@ _RANGES: dict[str, tuple[int, int | None]] = {
 }
 
 
+#: Functions called after any constant of ``_RANGES`` is set (see :func:`on_change`).
+_listeners: list[Callable[[], None]] = []
+
+
+def on_change(listener: Callable[[], None]) -> None:
+    """Call ``listener()`` whenever a tuning constant is set: what was decided under
+    the old value (the CPU backend's compiled plans) is then forgotten."""
+    _listeners.append(listener)
+
+
 class _CheckedConfig(types.ModuleType):
     """This module, with its constants checked when they are set: an integer in its
     range (``numba_rope.config.TOKENS_PER_TILE = 0`` raises ``ValueError`` at once)."""
@@ -106,6 +119,9 @@ class _CheckedConfig(types.ModuleType):
                 )
             value = number
         super().__setattr__(name, value)
+        if bounds is not None:
+            for listener in _listeners:
+                listener()
 
 
 sys.modules[__name__].__class__ = _CheckedConfig

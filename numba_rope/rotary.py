@@ -130,6 +130,25 @@ def rotary_embedding(
     """
     key = None
     if type(input) is np.ndarray and (check_position_ids is True or check_position_ids is False):
+        if (
+            position_offset is None
+            and num_heads is None
+            and (interleaved is False or interleaved is True)
+            and (inverse is False or inverse is True)
+            and type(rotary_embedding_dim) is int
+            and type(layout) is str
+        ):
+            # A small call repeated: its compiled plan, found by cpu_backend.fast_key.
+            host: Any = input  # a NumPy array (ArrayT does not narrow)
+            fast_key = (
+                host.shape, host.dtype, interleaved, rotary_embedding_dim, layout, inverse,
+                out is input, position_ids is None,
+            )  # fmt: skip
+            fast = cpu_backend.FAST.get(fast_key)
+            if fast is not None:
+                result = cpu_backend.run_fast(fast, input, cos_cache, sin_cache, position_ids, out)
+                if result is not None:
+                    return result
         # A NumPy call whose signature was validated before runs its plan directly.
         key = cpu_backend.plan_key(
             input,
@@ -281,7 +300,11 @@ def _rotate(
         call, inputs, outs, cos_cache, sin_cache, position_ids, position_offset, check
     )
     if key is not None and backend is cpu_backend and key not in cpu_backend.PLANS:
-        cpu_backend.remember_plan(key, cpu_backend.make_plan(call, inputs, cos_cache, position_ids))
+        interleaved, rotary_dim, layout, _, _, inverse = options
+        plan = cpu_backend.make_plan(
+            call, inputs, cos_cache, position_ids, (interleaved, rotary_dim, layout, inverse)
+        )
+        cpu_backend.remember_plan(key, plan)
     return results
 
 

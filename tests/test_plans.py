@@ -1,9 +1,11 @@
-"""The remembered plans of NumPy calls (numba_rope.cpu_backend.PLANS).
+"""The remembered plans of NumPy calls (numba_rope.cpu_backend.PLANS), and the
+compiled plans of small calls repeated (numba_rope.cpu_backend.FAST).
 
 A call whose signature (shapes, dtypes, options) was validated before runs a plan with
-the least Python work. The plan must give the same bits as the general path, and must
-never let through what the general path rejects: options of another type, bad position
-ids, a read-only or overlapping ``out``, other strides.
+the least Python work; a small call of one tensor repeated runs its compiled plan,
+checked and rotated in one numba call. Plans must give the same bits as the general
+path, and must never let through what the general path rejects: options of another
+type, bad position ids, a read-only or overlapping ``out``, other strides or dtypes.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BFLOAT16]
 @pytest.fixture(autouse=True)
 def no_plans():
     cpu_backend.PLANS.clear()
+    cpu_backend.FAST.clear()
     yield
     cpu_backend.PLANS.clear()
+    cpu_backend.FAST.clear()
 
 
 def _planned(x, cos, sin, ids, out, interleaved=False, rotary_dim=0, layout="bhsd"):
@@ -226,3 +230,184 @@ def test_qk_with_one_of_q_and_k_in_place(rng, monkeypatch, which, parallel):
     flags = {"q": cpu_kernels.FIRST_IN_PLACE, "k": cpu_kernels.SECOND_IN_PLACE, "neither": 0}
     flags["both"] = cpu_kernels.FIRST_IN_PLACE + cpu_kernels.SECOND_IN_PLACE
     assert requested and set(requested) == {flags[which]}
+
+
+# -- compiled plans ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def fast_runs(monkeypatch):
+    """The calls that ran by a compiled plan, counted: [ran, fell back]."""
+    counts = [0, 0]
+    run_fast = cpu_backend.run_fast
+
+    def counting(*args):
+        result = run_fast(*args)
+        counts[result is None] += 1
+        return result
+
+    monkeypatch.setattr(cpu_backend, "run_fast", counting)
+    return counts
+
+
+def _repeat(call, times=cpu_backend.FAST_AFTER + 2):
+    """Run ``call`` often enough for its signature to get a compiled plan, and once
+    more by it; return the last result."""
+    for _ in range(times):
+        result = call()
+    return result
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, np.dtype(np.float64)], ids=lambda d: d.name)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"interleaved": True},
+        {"rotary_embedding_dim": 8, "inverse": True},
+        {"position_ids": False},
+        {"out": "in place"},
+        {"out": "given", "position_ids": "int32"},
+        {"shape": (3, 4, 1, 16)},  # a decode step: the token-major kernels
+    ],
+    ids=["plain", "interleaved", "partial-inverse", "no-ids", "in-place", "out-int32", "decode"],
+)
+def test_compiled_plan_gives_the_contract_bits(rng, fast_runs, dtype, options):
+    options = dict(options)
+    shape = options.pop("shape", (2, 3, 5, 16))
+    ids_kind = options.pop("position_ids", True)
+    out_kind = options.pop("out", None)
+    rotary_dim = options.get("rotary_embedding_dim", 0)
+    inverse = options.get("inverse", False)
+    interleaved = options.get("interleaved", False)
+    _, cos, sin, ids = make_case(
+        rng, shape, dtype, position_ids=bool(ids_kind), rotary_dim=rotary_dim
+    )
+    if ids_kind == "int32":
+        ids = ids.astype(np.int32)
+    for _ in range(cpu_backend.FAST_AFTER + 3):  # a new input each call
+        x = rng.standard_normal(shape).astype(dtype)
+        expected = float32_contract(x, cos, -sin if inverse else sin, ids, interleaved, rotary_dim)
+        out = {"in place": x, "given": np.full_like(x, np.nan), None: None}[out_kind]
+        got = numba_rope.rotary_embedding(x, cos, sin, ids, out=out, **options)
+        if out is not None:
+            assert got is out
+        assert_bitwise_equal(got, expected)
+    assert fast_runs == [2, 0]  # the last two calls ran by the compiled plan
+
+
+def _outcome(call):
+    """What a call gives: its result's bytes, or its exception's type and message."""
+    try:
+        result = call()
+    except Exception as error:  # compared, not swallowed
+        return type(error), str(error)
+    return result.dtype, result.shape, result.tobytes()
+
+
+def test_compiled_plan_leaves_other_calls_to_the_general_path(rng, fast_runs):
+    # Calls that look like the planned one (same input shape, dtype and options) but
+    # are not: each gives what it gives without any plan, having written nothing
+    # before the general path took over.
+    x, cos, sin, ids = make_case(rng, (2, 3, 4, 16), np.float32, n_positions=10)
+    out = np.empty_like(x)
+    _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids, out=out))
+    assert fast_runs[0] >= 1
+    bad_ids = ids.copy()
+    bad_ids[1, 2] = 10
+    frozen = np.empty_like(x)
+    frozen.flags.writeable = False
+
+    def one_element_off():  # a fresh buffer each time: the call writes into its input
+        buffer = np.zeros(x.size + 1, np.float32)
+        buffer[:-1] = x.reshape(-1)
+        return numba_rope.rotary_embedding(
+            buffer[:-1].reshape(x.shape), cos, sin, ids, out=buffer[1:].reshape(x.shape)
+        )
+
+    wide = np.zeros((*x.shape[:-1], 32), np.float32)
+    wide[..., ::2] = x
+    transposed = np.empty((2, 4, 3, 16), np.float32).transpose(0, 2, 1, 3)  # rows contiguous
+    cos_wide = np.zeros((10, 16), np.float32)
+    cos_wide[:, ::2] = cos
+    calls = {
+        "bad ids": lambda: numba_rope.rotary_embedding(x, cos, sin, bad_ids, out=out),
+        "read-only out": lambda: numba_rope.rotary_embedding(x, cos, sin, ids, out=frozen),
+        "out one element off the input": one_element_off,
+        "strided rows": lambda: numba_rope.rotary_embedding(wide[..., ::2], cos, sin, ids),
+        "out not C-contiguous": lambda: numba_rope.rotary_embedding(
+            x, cos, sin, ids, out=transposed
+        ),
+        "strided cache rows": lambda: numba_rope.rotary_embedding(
+            x, cos_wide[:, ::2], sin, ids, out=out
+        ),
+        "more cache rows": lambda: numba_rope.rotary_embedding(
+            x, np.vstack([cos, cos]), np.vstack([sin, sin]), ids, out=out
+        ),
+        "float64 caches": lambda: numba_rope.rotary_embedding(
+            x, cos.astype(np.float64), sin.astype(np.float64), ids, out=out
+        ),
+        "big-endian caches": lambda: numba_rope.rotary_embedding(
+            x, cos.astype(">f4"), sin.astype(">f4"), ids, out=out
+        ),
+        "ids of other shape": lambda: numba_rope.rotary_embedding(x, cos, sin, ids[:, :2], out=out),
+        "float16 out": lambda: numba_rope.rotary_embedding(
+            x, cos, sin, ids, out=np.empty(x.shape, np.float16)
+        ),
+        "a list for cos": lambda: numba_rope.rotary_embedding(x, cos.tolist(), sin, ids, out=out),
+    }
+    ran = fast_runs[0]
+    with_plan = {name: _outcome(call) for name, call in calls.items()}
+    assert fast_runs == [ran, len(calls)]  # each call was tried by the plan, and refused
+    assert cpu_backend.FAST
+    for name, call in calls.items():
+        cpu_backend.FAST.clear()
+        cpu_backend.PLANS.clear()
+        assert with_plan[name] == _outcome(call), name
+    assert with_plan["bad ids"][0] is IndexError
+    assert with_plan["read-only out"][0] is ValueError
+
+
+def test_compiled_plan_writes_nothing_when_it_refuses(rng):
+    # The compiled function alone: a bad id or an overlapping output is refused before
+    # any element is written (the general path then raises or copies).
+    x, cos, sin, ids = make_case(rng, (1, 2, 3, 8), np.float32, n_positions=4)
+    _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids))
+    (fast,) = cpu_backend.FAST.values()
+    plan = fast[0]
+    out = np.full_like(x, 7.0)
+    bad = ids.copy()
+    bad[0, 1] = -1
+    assert cpu_kernels.planned(x, None, cos, sin, bad, out, None, plan) == cpu_kernels.NOT_PLANNED
+    assert cpu_kernels.planned(x, None, cos, sin, ids, x[:, ::-1], None, plan) == (
+        cpu_kernels.NOT_PLANNED
+    )
+    assert np.all(out == 7.0)
+    assert cpu_kernels.planned(x, None, cos, sin, ids, out, None, plan) == cpu_kernels.DONE
+    assert_bitwise_equal(out, float32_contract(x, cos, sin, ids))
+
+
+def test_compiled_plans_are_forgotten_when_a_constant_changes(rng, monkeypatch, fast_runs):
+    # A plan runs on the calling thread alone: made under the constants of its time.
+    x, cos, sin, ids = make_case(rng, (1, 2, 3, 8), np.float32)
+    _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids))
+    assert cpu_backend.FAST
+    monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", 0)
+    assert not cpu_backend.FAST
+    got = _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids))
+    assert not cpu_backend.FAST  # now a helper job, never a compiled plan
+    assert_bitwise_equal(got, float32_contract(x, cos, sin, ids))
+
+
+def test_compiled_plans_only_for_small_bhsd_calls_of_one_tensor(rng, monkeypatch):
+    x, cos, sin, ids = make_case(rng, (1, 2, 3, 8), np.float32, n_positions=12)
+    k = rng.standard_normal((1, 1, 3, 8)).astype(np.float32)
+    x_bshd = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+    _repeat(lambda: numba_rope.rotary_embedding_qk(x, k, cos, sin, ids))
+    _repeat(lambda: numba_rope.rotary_embedding(x_bshd, cos, sin, ids, layout="bshd"))
+    _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, position_offset=2))
+    assert not cpu_backend.FAST
+    monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", x.size)
+    monkeypatch.setattr(numba_rope._cpu.helper, "thread_count", lambda: 1)  # serial anyway
+    _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids))
+    assert not cpu_backend.FAST  # at the helper's threshold: not whatever the threads

@@ -31,9 +31,19 @@ from numba_rope._cpu.kernels import (
     DONE,
     FIRST_IN_PLACE,
     OVERLAP,
+    PLAN_COS,
+    PLAN_OUT,
+    PLAN_POSITIONS,
+    PLAN_ROTARY_DIM,
+    PLAN_RUNNER,
+    PLAN_SIN,
+    PLAN_SLOTS,
+    PLAN_TILE,
+    PLAN_X,
     SECOND_IN_PLACE,
     first_bad_position,
     make_kernels,
+    planned,
 )
 from numba_rope._cpu.vector import STREAM_ALIGNMENT
 from numba_rope._geometry import bhsd_array, bhsd_steps, elements_distinct
@@ -396,7 +406,7 @@ def launch(views: tuple, args: tuple, call: Call, check_overlap=True, in_place: 
     options = (call.interleaved, call.inverse, contiguous, in_place, words, stream, by_token)
     serial, parallel, relayed = kernels(*options)
     in_parallel = _parallel(size)
-    relay = not in_parallel and helper.usable(size, x.dtype.itemsize)
+    relay = not in_parallel and helper.usable(size)
     heads = max(v.shape[1] for v, _ in views)
     tile, n_groups, n_chunks = work_split(
         batch, heads, seq_len, in_parallel or relay, 2 if relay else None, by_token
@@ -496,7 +506,9 @@ def remember_plan(key: tuple, plan: Any) -> None:
     PLANS[key] = plan
 
 
-def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> Any:
+def make_plan(
+    call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any, key_options: tuple = ()
+) -> Any:
     """A function that runs further calls of this validated signature on one thread
     with the least Python work, or None where the general path is needed anyway.
 
@@ -508,6 +520,12 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
     int64, or a kernel status other than DONE (an output overlapping an input, a bad
     position). Nothing has been written then, so the general path runs the call again
     from the start and raises or handles it.
+
+    ``key_options``: the call's options as given (``interleaved``,
+    ``rotary_embedding_dim``, ``layout``, ``inverse``), for :func:`fast_key`. A plan of
+    one ``bhsd`` tensor with position ids or none, whose calls run on the calling thread
+    alone, gives its signature a compiled plan (:func:`remember_fast`) after
+    ``FAST_AFTER`` calls.
     """
     # One function with a closure, not helpers: everything the plan can decide once is
     # decided here, and each helper call on its path would cost the small call a
@@ -520,9 +538,7 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
     size = sum(x.size for x in inputs)
     nbytes = sum(x.nbytes for x in inputs)
     item, cache_item = inputs[0].dtype.itemsize, cos.dtype.itemsize
-    # helper.usable()'s count of work, compared first here: a call below the
-    # threshold (most small calls) skips calling it (0.1-0.2 us of a 6 us call).
-    helper_work = helper.work(size, item)
+    cache_dtype = cos.dtype
     dtype, x_shape, k_shape = call.dtype, inputs[0].shape, inputs[-1].shape
     storage, cache_storage = storage_dtype(call.dtype), storage_dtype(cos.dtype)
     words = takes_words(storage, cache_storage)
@@ -546,6 +562,8 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
         return found
 
     distinct_strides: dict[tuple[int, ...], bool] = {}  # outputs that are not C-contiguous
+    # Calls to run before remember_fast: a count in a list, which the plan can change.
+    countdown = [FAST_AFTER] if _fast_candidate(call, inputs, key_options) else [0]
 
     def distinct(out) -> bool:
         found = distinct_strides.get(out.strides)
@@ -610,7 +628,8 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
             )  # fmt: skip
             found = chosen[contiguous, in_place] = (*kernels(*options), options)
         serial, _, relayed, options = found
-        if helper_work >= config.HELPER_MIN_ELEMENTS and helper.usable(size, item):
+        # The threshold first: a call below it (most small calls) skips calling usable().
+        if size >= config.HELPER_MIN_ELEMENTS and helper.usable(size):
             the_helper = helper.helper()
             runner = runners.get((contiguous, in_place, the_helper))
             if runner is None:
@@ -626,8 +645,136 @@ def make_plan(call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any) -> 
                 x_view, k_view, cos, sin, position_ids, out_view, out_k_view, rotary_dim,
                 True, config.TOKENS_PER_TILE, 1,
             )  # fmt: skip
+            if countdown[0] and status == DONE and contiguous and offset is None:
+                countdown[0] -= 1
+                if not countdown[0]:
+                    remember_fast(
+                        fast_key(x, out, position_ids, *key_options), options, rotary_dim,
+                        (x, position_ids, cache_dtype), (x_view, cos, sin, out_view),
+                    )  # fmt: skip
         if status != DONE:
             return None
         return (out, out_k) if two else out  # one tensor: no tuple to build and index
 
     return plan
+
+
+# -- compiled plans: the small calls of one tensor that a program makes again and again ----
+
+#: Compiled plans by :func:`fast_key`: ``(plan, dtype, cache dtype, id dtype, storage,
+#: cache storage, runner)``, see :func:`run_fast`. Emptied when a tuning constant of
+#: ``numba_rope.config`` changes (a plan is only made for a call that runs on the
+#: calling thread under the constants of that moment).
+FAST: dict[tuple, tuple] = {}
+
+#: Calls a Python plan runs (see :func:`make_plan`) before its signature gets a compiled
+#: plan: making one compiles a runner for the kernel options, if no helper job has,
+#: which a signature called once or twice (as most of the tests do) would not repay.
+FAST_AFTER = 2
+
+
+def fast_key(
+    x: np.ndarray,
+    out: Any,
+    position_ids: Any,
+    interleaved: bool,
+    rotary_embedding_dim: int,
+    layout: str,
+    inverse: bool,
+) -> tuple:
+    """What a compiled plan is found by, read before any validation: the input's
+    shape and dtype, the options as given, whether the output is the input (a kernel
+    of its own) and whether there are position ids. ``rotary.rotary_embedding`` builds
+    the same tuple inline (a function call is a tenth of the call it saves)."""
+    return (
+        x.shape, x.dtype, interleaved, rotary_embedding_dim, layout, inverse, out is x,
+        position_ids is None,
+    )  # fmt: skip
+
+
+def _fast_candidate(call: Call, inputs: tuple, key_options: tuple) -> bool:
+    """Whether calls of this validated signature may get a compiled plan: one ``bhsd``
+    tensor (the layout whose input is its own BHSD view), options that
+    :func:`fast_key` can hold, position ids or none (no offset), and work that runs on
+    the calling thread whatever the thread count (below the helper's, the parallel
+    kernels' and streaming's thresholds)."""
+    return (
+        len(inputs) == 1
+        and len(key_options) == 4
+        and call.layout == "bhsd"
+        and call.positions in ("ids", "token")
+        and inputs[0].size < config.HELPER_MIN_ELEMENTS
+        and inputs[0].size < config.PARALLEL_MIN_ELEMENTS
+        and inputs[0].nbytes < config.STREAMING_MIN_BYTES
+    )
+
+
+def remember_fast(key: tuple, options: tuple, rotary_dim: int, arrays: tuple, views: tuple) -> None:
+    """Give the signature of a call that its Python plan has just run (on the calling
+    thread, rows contiguous) a compiled plan under ``key``. ``options``: its kernel
+    options; ``arrays``: the input and the ids (or None) as the caller passed them,
+    and the caches' dtype (the dtypes are what :func:`run_fast` compares);
+    ``views``: the input, caches and output as the kernels take them (16-bit formats
+    as integers)."""
+    x, position_ids, cache_dtype = arrays
+    x_view, cos_view, sin_view, out_view = views
+    function = helper.runner(options, (x_view, None, cos_view, sin_view, position_ids))
+    plan = np.zeros(PLAN_SLOTS, np.int64)
+    plan[PLAN_RUNNER] = function.address
+    plan[PLAN_ROTARY_DIM] = rotary_dim
+    plan[PLAN_TILE] = config.TOKENS_PER_TILE
+    for slot, array in (
+        (PLAN_X, x_view), (PLAN_COS, cos_view), (PLAN_SIN, sin_view),
+        (PLAN_POSITIONS, position_ids), (PLAN_OUT, out_view),
+    ):  # fmt: skip
+        if array is not None:
+            plan[slot] = array.ndim
+            plan[slot + 1 : slot + 1 + array.ndim] = array.shape
+    if len(FAST) >= MAX_PLANS:
+        FAST.clear()
+    FAST[key] = (
+        plan,
+        x.dtype,
+        cache_dtype,
+        None if position_ids is None else position_ids.dtype,
+        storage_dtype(x.dtype),
+        storage_dtype(cache_dtype),
+        function,  # kept alive with the plan that holds its address
+    )
+
+
+def run_fast(fast: tuple, x: Any, cos: Any, sin: Any, position_ids: Any, out: Any) -> Any:
+    """Run a call by the compiled plan ``fast`` (found by :func:`fast_key`), or return
+    None, having written nothing, when it is not that plan's call: arrays of other
+    types or dtypes (compared by identity: NumPy has one dtype object of each native
+    kind, so an equal dtype that is another object only misses the plan), or whatever
+    :func:`~numba_rope._cpu.kernels.planned` refuses. The general path then takes the
+    call."""
+    plan, dtype, cache_dtype, ids_dtype, storage, cache_storage, _ = fast
+    if (
+        type(cos) is not np.ndarray
+        or type(sin) is not np.ndarray
+        or cos.dtype is not cache_dtype
+        or sin.dtype is not cache_dtype
+        or not (
+            position_ids is None
+            or (type(position_ids) is np.ndarray and position_ids.dtype is ids_dtype)
+        )
+    ):
+        return None
+    if out is None:
+        out = np.empty(x.shape, dtype)
+    elif type(out) is not np.ndarray or out.dtype is not dtype:
+        return None
+    x_view, out_view = (x, out) if storage is None else (x.view(storage), out.view(storage))
+    if cache_storage is not None:
+        cos, sin = cos.view(cache_storage), sin.view(cache_storage)
+    status = planned(x_view, None, cos, sin, position_ids, out_view, None, plan)
+    return out if status == DONE else None
+
+
+def _forget_fast() -> None:
+    FAST.clear()
+
+
+config.on_change(_forget_fast)

@@ -74,7 +74,6 @@ class Helper:
         storage = np.zeros(relay.BLOCK_SLOTS + 8, np.int64)
         start = (-storage.ctypes.data % 64) // 8  # counters on their own cache lines
         self.block = storage[start : start + relay.BLOCK_SLOTS]
-        self.runners: dict[tuple, Any] = {}
         self.thread: threading.Thread | None = None
         self.spin_microseconds = -1  # none given yet
         self.turns_per_microsecond = 0.0
@@ -89,14 +88,9 @@ class Helper:
 
     def runner(self, options: tuple, arrays: tuple) -> int:
         """Address of the function that runs a chunk of a job of the kernels of
-        ``options`` with arguments like ``arrays`` (x, k, cos, sin, positions), compiled
-        (or loaded from numba's cache) the first time, here on the caller's thread."""
-        signature = (options, *(_signature(a) for a in arrays))
-        found = self.runners.get(signature)
-        if found is None:
-            # Kept here: the compiled code lives as long as the cfunc object does.
-            found = self.runners[signature] = make_runner(options, tuple(_like(a) for a in arrays))
-        return found.address
+        ``options`` with arguments like ``arrays`` (x, k, cos, sin, positions): see
+        :func:`runner`."""
+        return runner(options, arrays).address
 
     def start(self) -> None:
         """Start the helper thread unless it runs, and give it this moment's
@@ -146,6 +140,25 @@ def _turns_per_microsecond(block: np.ndarray) -> float:
     return turns / (max(time.perf_counter() - start, 1e-6) * 1e6)
 
 
+#: Runners by kernel options and argument dtypes and dimensions (see :func:`runner`).
+#: Kept for the life of the process: the compiled code lives as long as the cfunc
+#: object does, and jobs and compiled plans hold its address.
+_RUNNERS: dict[tuple, Any] = {}
+
+
+def runner(options: tuple, arrays: tuple) -> Any:
+    """The compiled function (a numba cfunc; ``.address`` is its address) that runs a
+    chunk of a job of the kernels of ``options`` with arguments like ``arrays`` (x, k,
+    cos, sin, positions), compiled (or loaded from numba's cache) the first time, on
+    the caller's thread. The helper runs jobs by it, and compiled plans
+    (:func:`numba_rope._cpu.kernels.planned`) whole calls."""
+    signature = (options, *(_signature(a) for a in arrays))
+    found = _RUNNERS.get(signature)
+    if found is None:
+        found = _RUNNERS[signature] = make_runner(options, tuple(_like(a) for a in arrays))
+    return found
+
+
 def _signature(array: Any) -> Any:
     if array is None:
         return None
@@ -165,18 +178,11 @@ def helper() -> Helper:
     return _helper
 
 
-def usable(size: int, itemsize: int) -> bool:
-    """Whether a call of ``size`` elements of ``itemsize`` bytes on the calling thread
-    shares its work with the helper: at least ``config.HELPER_MIN_ELEMENTS`` (16-bit
-    elements count twice: their conversions double the work per element), and more
-    than one numba thread."""
-    return work(size, itemsize) >= config.HELPER_MIN_ELEMENTS and thread_count() > 1
-
-
-def work(size: int, itemsize: int) -> int:
-    """The count of work that :func:`usable` compares with
-    ``config.HELPER_MIN_ELEMENTS``: elements, 16-bit ones twice."""
-    return 2 * size if itemsize == 2 else size
+def usable(size: int) -> bool:
+    """Whether a call of ``size`` elements on the calling thread shares its work with
+    the helper: at least ``config.HELPER_MIN_ELEMENTS``, and more than one numba
+    thread."""
+    return size >= config.HELPER_MIN_ELEMENTS and thread_count() > 1
 
 
 def _forget_after_fork() -> None:

@@ -694,3 +694,144 @@ def make_runner(options: tuple, likes: tuple):
                   contiguous, token_major, first_in_place, second_in_place)  # fmt: skip
 
     return run
+
+
+# -- compiled plans: a small call of a signature seen before, checked and run in one hop ---
+
+#: Status of :func:`planned` when the call is not the one its plan was made for (or
+#: would not run as a plan): the caller takes the general path, which re-validates.
+NOT_PLANNED = -3
+
+#: Slots of a compiled plan (an int64 array, see :func:`planned`): the address of the
+#: runner (:func:`make_runner`) for the plan's kernel options, the rotary dimension, the
+#: tokens per tile, then for each array its ndim and shape (``PLAN_SHAPE_SLOTS``
+#: slots; ndim 0 for an absent one).
+PLAN_RUNNER = 0
+PLAN_ROTARY_DIM = 1
+PLAN_TILE = 2
+PLAN_SHAPE_SLOTS = 5
+PLAN_X = 3
+PLAN_K = PLAN_X + PLAN_SHAPE_SLOTS
+PLAN_COS = PLAN_K + PLAN_SHAPE_SLOTS
+PLAN_SIN = PLAN_COS + PLAN_SHAPE_SLOTS
+PLAN_POSITIONS = PLAN_SIN + PLAN_SHAPE_SLOTS
+PLAN_OUT = PLAN_POSITIONS + PLAN_SHAPE_SLOTS
+PLAN_OUT_K = PLAN_OUT + PLAN_SHAPE_SLOTS
+PLAN_SLOTS = PLAN_OUT_K + PLAN_SHAPE_SLOTS
+
+
+def _shape_is(array, plan, slot):  # pragma: no cover - see overload
+    """Whether ``array`` has the ndim and shape written in ``plan`` from ``slot`` on
+    (ndim 0 for None)."""
+    raise NotImplementedError
+
+
+@overload(_shape_is, inline="always")
+def _shape_is_overload(array, plan, slot):
+    if isinstance(array, types.NoneType):
+        return lambda array, plan, slot: plan[slot] == 0
+
+    def impl(array, plan, slot):
+        if plan[slot] != array.ndim:
+            return False
+        for i in range(array.ndim):
+            if plan[slot + 1 + i] != array.shape[i]:
+                return False
+        return True
+
+    return impl
+
+
+def _rows_apart(array):  # pragma: no cover - see overload
+    """Whether ``array`` (or None) has contiguous rows and, for an output, is writable
+    and holds each element once (C-contiguous: a plan takes no other output)."""
+    raise NotImplementedError
+
+
+@overload(_rows_apart, inline="always")
+def _rows_apart_overload(array):
+    if isinstance(array, types.NoneType):
+        return lambda array: True
+    return lambda array: array.strides[array.ndim - 1] == array.itemsize
+
+
+def _c_contiguous_output(out):  # pragma: no cover - see overload
+    """Whether ``out`` (or None) is a writable C-contiguous array."""
+    raise NotImplementedError
+
+
+@overload(_c_contiguous_output, inline="always")
+def _c_contiguous_output_overload(out):
+    if isinstance(out, types.NoneType):
+        return lambda out: True
+    if not out.mutable:  # a read-only output: the general path names it
+        return lambda out: False
+    if out.layout == "C":
+        return lambda out: True
+
+    def impl(out):
+        step = out.itemsize
+        for i in range(out.ndim - 1, -1, -1):
+            if out.shape[i] != 1 and out.strides[i] != step:
+                return False
+            step *= out.shape[i]
+        return True
+
+    return impl
+
+
+@cached_njit()
+def planned(x, k, cos, sin, positions, out, out_k, plan):
+    """Run a small call by its compiled plan: DONE, or NOT_PLANNED (nothing written)
+    when the arrays are not of the plan's shapes, have rows that are not contiguous, an
+    output that is not a writable C-contiguous array, or when the call would not run
+    (an output overlapping an input, a bad position): the general path then validates
+    and runs it, raising what it must.
+
+    ``plan`` (see ``PLAN_*``) was written when a call of these dtypes and options was
+    validated (the caller compares the dtypes: this function is compiled for any).
+    The rotation is done by the plan's runner (:func:`make_runner`, the helper's
+    function for the same kernel options), given all units as one chunk, through a
+    control block made here: one compiled function for every kind of kernel, whose own
+    compilation is small, and a call to it costs one numba dispatch.
+    """
+    if not (
+        _shape_is(x, plan, PLAN_X)
+        and _shape_is(k, plan, PLAN_K)
+        and _shape_is(cos, plan, PLAN_COS)
+        and _shape_is(sin, plan, PLAN_SIN)
+        and _shape_is(positions, plan, PLAN_POSITIONS)
+        and _shape_is(out, plan, PLAN_OUT)
+        and _shape_is(out_k, plan, PLAN_OUT_K)
+    ):
+        return NOT_PLANNED
+    if not (
+        _rows_apart(x)
+        and _rows_apart(k)
+        and _rows_apart(cos)
+        and _rows_apart(sin)
+        and _rows_apart(out)
+        and _rows_apart(out_k)
+        and _c_contiguous_output(out)
+        and _c_contiguous_output(out_k)
+    ):
+        return NOT_PLANNED
+    if _checked(x, k, cos, sin, positions, out, out_k, True) != DONE:
+        return NOT_PLANNED
+    tile = plan[PLAN_TILE]
+    block = np.empty(relay.BLOCK_SLOTS, np.int64)
+    relay.store_array(block, relay.X_AT, x)
+    relay.store_array(block, relay.OUT_AT, out)
+    if k is not None:
+        relay.store_array(block, relay.K_AT, k)
+        relay.store_array(block, relay.OUT_K_AT, out_k)
+    relay.store_array(block, relay.COS_AT, cos)
+    relay.store_array(block, relay.SIN_AT, sin)
+    relay.store_positions(block, relay.POSITIONS_AT, positions)
+    block[relay.ROTARY_DIM_AT] = plan[PLAN_ROTARY_DIM]
+    block[relay.TILE_AT] = tile
+    block[relay.GROUPS_AT] = 1
+    block[relay.UNITS_AT] = _n_units(x.shape[0], x.shape[2], tile, 1)
+    block[relay.CHUNKS] = 1
+    relay.call_runner(plan[PLAN_RUNNER], block, 0)
+    return DONE
