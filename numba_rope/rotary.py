@@ -133,6 +133,8 @@ def rotary_embedding(
         if (
             position_offset is None
             and num_heads is None
+            and type(cos_cache) is np.ndarray
+            and (position_ids is None or type(position_ids) is np.ndarray)
             and (interleaved is False or interleaved is True)
             and (inverse is False or inverse is True)
             and type(rotary_embedding_dim) is int
@@ -141,8 +143,9 @@ def rotary_embedding(
             # A small call repeated: its compiled plan, found by cpu_backend.fast_key.
             host: Any = input  # a NumPy array (ArrayT does not narrow)
             fast_key = (
-                host.shape, host.dtype, interleaved, rotary_embedding_dim, layout, inverse,
-                out is input, position_ids is None,
+                host.shape, host.dtype, cos_cache.dtype,
+                None if position_ids is None else position_ids.dtype,
+                interleaved, rotary_embedding_dim, layout, inverse, out is input,
             )  # fmt: skip
             fast = cpu_backend.FAST.get(fast_key)
             if fast is not None:

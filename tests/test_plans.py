@@ -344,21 +344,32 @@ def test_compiled_plan_leaves_other_calls_to_the_general_path(rng, fast_runs):
         "more cache rows": lambda: numba_rope.rotary_embedding(
             x, np.vstack([cos, cos]), np.vstack([sin, sin]), ids, out=out
         ),
+        "ids of other shape": lambda: numba_rope.rotary_embedding(x, cos, sin, ids[:, :2], out=out),
+        "float16 out": lambda: numba_rope.rotary_embedding(
+            x, cos, sin, ids, out=np.empty(x.shape, np.float16)
+        ),
+        "float64 sin": lambda: numba_rope.rotary_embedding(
+            x, cos, sin.astype(np.float64), ids, out=out
+        ),
+    }
+    others = {  # not even found: the caches' and ids' dtypes are part of the key
         "float64 caches": lambda: numba_rope.rotary_embedding(
             x, cos.astype(np.float64), sin.astype(np.float64), ids, out=out
         ),
         "big-endian caches": lambda: numba_rope.rotary_embedding(
             x, cos.astype(">f4"), sin.astype(">f4"), ids, out=out
         ),
-        "ids of other shape": lambda: numba_rope.rotary_embedding(x, cos, sin, ids[:, :2], out=out),
-        "float16 out": lambda: numba_rope.rotary_embedding(
-            x, cos, sin, ids, out=np.empty(x.shape, np.float16)
-        ),
         "a list for cos": lambda: numba_rope.rotary_embedding(x, cos.tolist(), sin, ids, out=out),
+        "int32 ids": lambda: numba_rope.rotary_embedding(
+            x, cos, sin, ids.astype(np.int32), out=out
+        ),
     }
     ran = fast_runs[0]
     with_plan = {name: _outcome(call) for name, call in calls.items()}
     assert fast_runs == [ran, len(calls)]  # each call was tried by the plan, and refused
+    with_plan.update({name: _outcome(call) for name, call in others.items()})
+    assert fast_runs == [ran, len(calls)]
+    calls.update(others)
     assert cpu_backend.FAST
     for name, call in calls.items():
         cpu_backend.FAST.clear()

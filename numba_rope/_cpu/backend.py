@@ -538,7 +538,6 @@ def make_plan(
     size = sum(x.size for x in inputs)
     nbytes = sum(x.nbytes for x in inputs)
     item, cache_item = inputs[0].dtype.itemsize, cos.dtype.itemsize
-    cache_dtype = cos.dtype
     dtype, x_shape, k_shape = call.dtype, inputs[0].shape, inputs[-1].shape
     storage, cache_storage = storage_dtype(call.dtype), storage_dtype(cos.dtype)
     words = takes_words(storage, cache_storage)
@@ -574,6 +573,7 @@ def make_plan(
         return found
 
     def plan(x, k, cos, sin, position_ids, out, out_k, offset=None):
+        cache = cos  # as the caller passed it (cos becomes the kernels' view below)
         if size >= config.PARALLEL_MIN_ELEMENTS or nbytes >= config.STREAMING_MIN_BYTES:
             return None
         if offset is not None:
@@ -649,8 +649,8 @@ def make_plan(
                 countdown[0] -= 1
                 if not countdown[0]:
                     remember_fast(
-                        fast_key(x, out, position_ids, *key_options), options, rotary_dim,
-                        (x, position_ids, cache_dtype), (x_view, cos, sin, out_view),
+                        fast_key(x, cache, position_ids, out, *key_options), options, rotary_dim,
+                        (x, position_ids), (x_view, cos, sin, out_view),
                     )  # fmt: skip
         if status != DONE:
             return None
@@ -661,8 +661,8 @@ def make_plan(
 
 # -- compiled plans: the small calls of one tensor that a program makes again and again ----
 
-#: Compiled plans by :func:`fast_key`: ``(plan, dtype, cache dtype, id dtype, storage,
-#: cache storage, runner)``, see :func:`run_fast`. Emptied when a tuning constant of
+#: Compiled plans by :func:`fast_key`: ``(plan, dtype, cache dtype, storage, cache
+#: storage, runner)``, see :func:`run_fast`. Emptied when a tuning constant of
 #: ``numba_rope.config`` changes (a plan is only made for a call that runs on the
 #: calling thread under the constants of that moment).
 FAST: dict[tuple, tuple] = {}
@@ -675,20 +675,22 @@ FAST_AFTER = 2
 
 def fast_key(
     x: np.ndarray,
+    cos: np.ndarray,
+    position_ids: np.ndarray | None,
     out: Any,
-    position_ids: Any,
     interleaved: bool,
     rotary_embedding_dim: int,
     layout: str,
     inverse: bool,
 ) -> tuple:
     """What a compiled plan is found by, read before any validation: the input's
-    shape and dtype, the options as given, whether the output is the input (a kernel
-    of its own) and whether there are position ids. ``rotary.rotary_embedding`` builds
-    the same tuple inline (a function call is a tenth of the call it saves)."""
+    shape and dtype, the dtypes of the caches and the ids (None for none), the options
+    as given, and whether the output is the input (a kernel of its own).
+    ``rotary.rotary_embedding`` builds the same tuple inline (a function call is a
+    tenth of the call it saves)."""
     return (
-        x.shape, x.dtype, interleaved, rotary_embedding_dim, layout, inverse, out is x,
-        position_ids is None,
+        x.shape, x.dtype, cos.dtype, None if position_ids is None else position_ids.dtype,
+        interleaved, rotary_embedding_dim, layout, inverse, out is x,
     )  # fmt: skip
 
 
@@ -711,12 +713,12 @@ def _fast_candidate(call: Call, inputs: tuple, key_options: tuple) -> bool:
 
 def remember_fast(key: tuple, options: tuple, rotary_dim: int, arrays: tuple, views: tuple) -> None:
     """Give the signature of a call that its Python plan has just run (on the calling
-    thread, rows contiguous) a compiled plan under ``key``. ``options``: its kernel
-    options; ``arrays``: the input and the ids (or None) as the caller passed them,
-    and the caches' dtype (the dtypes are what :func:`run_fast` compares);
+    thread, rows contiguous) a compiled plan under ``key`` (:func:`fast_key`, which
+    holds the dtypes of the input, the caches and the ids). ``options``: its kernel
+    options; ``arrays``: the input and the ids (or None) as the caller passed them;
     ``views``: the input, caches and output as the kernels take them (16-bit formats
     as integers)."""
-    x, position_ids, cache_dtype = arrays
+    x, position_ids = arrays
     x_view, cos_view, sin_view, out_view = views
     function = helper.runner(options, (x_view, None, cos_view, sin_view, position_ids))
     plan = np.zeros(PLAN_SLOTS, np.int64)
@@ -732,11 +734,11 @@ def remember_fast(key: tuple, options: tuple, rotary_dim: int, arrays: tuple, vi
             plan[slot + 1 : slot + 1 + array.ndim] = array.shape
     if len(FAST) >= MAX_PLANS:
         FAST.clear()
+    cache_dtype = key[2]
     FAST[key] = (
         plan,
         x.dtype,
         cache_dtype,
-        None if position_ids is None else position_ids.dtype,
         storage_dtype(x.dtype),
         storage_dtype(cache_dtype),
         function,  # kept alive with the plan that holds its address
@@ -744,23 +746,15 @@ def remember_fast(key: tuple, options: tuple, rotary_dim: int, arrays: tuple, vi
 
 
 def run_fast(fast: tuple, x: Any, cos: Any, sin: Any, position_ids: Any, out: Any) -> Any:
-    """Run a call by the compiled plan ``fast`` (found by :func:`fast_key`), or return
-    None, having written nothing, when it is not that plan's call: arrays of other
-    types or dtypes (compared by identity: NumPy has one dtype object of each native
-    kind, so an equal dtype that is another object only misses the plan), or whatever
+    """Run a call by the compiled plan ``fast`` (found by :func:`fast_key`: the input,
+    caches and ids are of its dtypes), or return None, having written nothing, when it
+    is not that plan's call: a ``sin_cache`` or ``out`` of another type or dtype
+    (compared by identity: NumPy has one dtype object of each native kind, so an equal
+    dtype that is another object only misses the plan), or whatever
     :func:`~numba_rope._cpu.kernels.planned` refuses. The general path then takes the
     call."""
-    plan, dtype, cache_dtype, ids_dtype, storage, cache_storage, _ = fast
-    if (
-        type(cos) is not np.ndarray
-        or type(sin) is not np.ndarray
-        or cos.dtype is not cache_dtype
-        or sin.dtype is not cache_dtype
-        or not (
-            position_ids is None
-            or (type(position_ids) is np.ndarray and position_ids.dtype is ids_dtype)
-        )
-    ):
+    plan, dtype, cache_dtype, storage, cache_storage, _ = fast
+    if type(sin) is not np.ndarray or sin.dtype is not cache_dtype:
         return None
     if out is None:
         out = np.empty(x.shape, dtype)
