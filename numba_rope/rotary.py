@@ -374,6 +374,33 @@ position_offset, inverse, stream, check_position_ids
         and type(k) is np.ndarray
         and (check_position_ids is True or check_position_ids is False)
     ):
+        if (
+            position_offset is None
+            and num_heads is None
+            and num_kv_heads is None
+            and type(cos_cache) is np.ndarray
+            and (position_ids is None or type(position_ids) is np.ndarray)
+            and (interleaved is False or interleaved is True)
+            and (inverse is False or inverse is True)
+            and type(rotary_embedding_dim) is int
+            and type(layout) is str
+        ):
+            # A small call repeated: its compiled plan, found by cpu_backend.fast_key.
+            host_q: Any = q  # NumPy arrays (ArrayT does not narrow)
+            host_k: Any = k
+            fast_key = (
+                host_q.shape, host_q.dtype, cos_cache.dtype,
+                None if position_ids is None else position_ids.dtype,
+                interleaved, rotary_embedding_dim, layout, inverse, out_q is q,
+                host_k.shape, out_k is k,
+            )  # fmt: skip
+            fast = cpu_backend.FAST.get(fast_key)
+            if fast is not None:
+                results = cpu_backend.run_fast_qk(
+                    fast, q, k, cos_cache, sin_cache, position_ids, out_q, out_k
+                )
+                if results is not None:
+                    return results
         key = cpu_backend.plan_key(
             q,
             k,

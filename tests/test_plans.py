@@ -297,12 +297,13 @@ def test_compiled_plan_gives_the_contract_bits(rng, fast_runs, dtype, options):
 
 
 def _outcome(call):
-    """What a call gives: its result's bytes, or its exception's type and message."""
+    """What a call gives: its results' bytes, or its exception's type and message."""
     try:
         result = call()
     except Exception as error:  # compared, not swallowed
         return type(error), str(error)
-    return result.dtype, result.shape, result.tobytes()
+    results = result if isinstance(result, tuple) else (result,)
+    return [(r.dtype, r.shape, r.tobytes()) for r in results]
 
 
 def test_compiled_plan_leaves_other_calls_to_the_general_path(rng, fast_runs):
@@ -410,11 +411,9 @@ def test_compiled_plans_are_forgotten_when_a_constant_changes(rng, monkeypatch, 
     assert_bitwise_equal(got, float32_contract(x, cos, sin, ids))
 
 
-def test_compiled_plans_only_for_small_bhsd_calls_of_one_tensor(rng, monkeypatch):
+def test_compiled_plans_only_for_small_bhsd_calls(rng, monkeypatch):
     x, cos, sin, ids = make_case(rng, (1, 2, 3, 8), np.float32, n_positions=12)
-    k = rng.standard_normal((1, 1, 3, 8)).astype(np.float32)
     x_bshd = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
-    _repeat(lambda: numba_rope.rotary_embedding_qk(x, k, cos, sin, ids))
     _repeat(lambda: numba_rope.rotary_embedding(x_bshd, cos, sin, ids, layout="bshd"))
     _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, position_offset=2))
     assert not cpu_backend.FAST
@@ -422,3 +421,96 @@ def test_compiled_plans_only_for_small_bhsd_calls_of_one_tensor(rng, monkeypatch
     monkeypatch.setattr(numba_rope._cpu.helper, "thread_count", lambda: 1)  # serial anyway
     _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids))
     assert not cpu_backend.FAST  # at the helper's threshold: not whatever the threads
+
+
+@pytest.fixture
+def fast_qk_runs(monkeypatch):
+    """The q+k calls that ran by a compiled plan, counted: [ran, fell back]."""
+    counts = [0, 0]
+    run_fast_qk = cpu_backend.run_fast_qk
+
+    def counting(*args):
+        result = run_fast_qk(*args)
+        counts[result is None] += 1
+        return result
+
+    monkeypatch.setattr(cpu_backend, "run_fast_qk", counting)
+    return counts
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=[d.name for d in DTYPES])
+@pytest.mark.parametrize("form", ["out", "allocating", "q in place", "both in place", "no ids"])
+def test_compiled_plan_of_q_and_k_gives_the_contract_bits(rng, fast_qk_runs, dtype, form):
+    # Hugging Face's form: q and k (fewer heads) bhsd, caches per token or by ids.
+    with_ids = form != "no ids"
+    _, cos, sin, ids = make_case(rng, (2, 4, 3, 16), dtype, position_ids=with_ids)
+    for _ in range(cpu_backend.FAST_AFTER + 3):
+        q = rng.standard_normal((2, 4, 3, 16)).astype(dtype)
+        k = rng.standard_normal((2, 2, 3, 16)).astype(dtype)
+        expected = (float32_contract(q, cos, sin, ids), float32_contract(k, cos, sin, ids))
+        out_q = q if form in ("q in place", "both in place") else None
+        out_k = k if form == "both in place" else None
+        if form == "out":
+            out_q, out_k = np.full_like(q, np.nan), np.full_like(k, np.nan)
+        got = numba_rope.rotary_embedding_qk(q, k, cos, sin, ids, out_q=out_q, out_k=out_k)
+        for result, given in zip(got, (out_q, out_k), strict=True):
+            assert given is None or result is given
+        assert_bitwise_equal(got[0], expected[0])
+        assert_bitwise_equal(got[1], expected[1])
+    assert fast_qk_runs == [2, 0]
+
+
+def test_compiled_plan_of_q_and_k_leaves_other_calls_to_the_general_path(rng, fast_qk_runs):
+    q, cos, sin, ids = make_case(rng, (2, 4, 3, 16), np.float32, n_positions=9)
+    k = rng.standard_normal((2, 2, 3, 16)).astype(np.float32)
+    out_q, out_k = np.empty_like(q), np.empty_like(k)
+    _repeat(lambda: numba_rope.rotary_embedding_qk(q, k, cos, sin, ids, out_q=out_q, out_k=out_k))
+    bad = ids.copy()
+    bad[0, 0] = 9
+    both = np.empty((2, 6, 3, 16), np.float32)
+    buffer = np.empty(q.size + k.size, np.float32)
+
+    def out_k_on_q():  # a fresh q each time: the call writes into it
+        fresh = q.copy()
+        return numba_rope.rotary_embedding_qk(
+            fresh, k, cos, sin, ids, out_q=out_q, out_k=fresh[:, 1:3]
+        )
+
+    calls = {
+        "outputs sharing memory": lambda: numba_rope.rotary_embedding_qk(
+            q, k, cos, sin, ids, out_q=out_q, out_k=out_q[:, :2]
+        ),
+        "out_k on q": out_k_on_q,
+        "bad ids": lambda: numba_rope.rotary_embedding_qk(
+            q, k, cos, sin, bad, out_q=out_q, out_k=out_k
+        ),
+        "k of another dtype": lambda: numba_rope.rotary_embedding_qk(
+            q, k.astype(np.float64), cos, sin, ids, out_q=out_q, out_k=out_k
+        ),
+        "k of other heads": lambda: numba_rope.rotary_embedding_qk(
+            q, both[:, :4], cos, sin, ids, out_q=out_q, out_k=out_k
+        ),
+        "outs not C-contiguous": lambda: numba_rope.rotary_embedding_qk(
+            q, k, cos, sin, ids, out_q=both[:, :4], out_k=both[:, 4:]
+        ),
+        "outs of one buffer": lambda: numba_rope.rotary_embedding_qk(
+            q,
+            k,
+            cos,
+            sin,
+            ids,
+            out_q=buffer[: q.size].reshape(q.shape),
+            out_k=buffer[q.size :].reshape(k.shape),
+        ),
+    }
+    ran, refused = fast_qk_runs
+    with_plan = {name: _outcome(call) for name, call in calls.items()}
+    # Found by all but "k of other heads" (k's shape is in the key); run only for the
+    # last, two C-contiguous outputs apart in one buffer.
+    assert fast_qk_runs == [ran + 1, refused + len(calls) - 2]
+    for name, call in calls.items():
+        cpu_backend.FAST.clear()
+        cpu_backend.PLANS.clear()
+        assert with_plan[name] == _outcome(call), name
+    assert with_plan["outputs sharing memory"][0] is ValueError
+    assert with_plan["bad ids"][0] is IndexError

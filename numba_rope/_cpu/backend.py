@@ -32,7 +32,9 @@ from numba_rope._cpu.kernels import (
     FIRST_IN_PLACE,
     OVERLAP,
     PLAN_COS,
+    PLAN_K,
     PLAN_OUT,
+    PLAN_OUT_K,
     PLAN_POSITIONS,
     PLAN_ROTARY_DIM,
     PLAN_RUNNER,
@@ -649,8 +651,9 @@ def make_plan(
                 countdown[0] -= 1
                 if not countdown[0]:
                     remember_fast(
-                        fast_key(x, cache, position_ids, out, *key_options), options, rotary_dim,
-                        (x, position_ids), (x_view, cos, sin, out_view),
+                        fast_key(x, k, cache, position_ids, out, out_k, *key_options),
+                        options, rotary_dim, (x, position_ids),
+                        (x_view, k_view, cos, sin, out_view, out_k_view),
                     )  # fmt: skip
         if status != DONE:
             return None
@@ -675,9 +678,11 @@ FAST_AFTER = 2
 
 def fast_key(
     x: np.ndarray,
+    k: np.ndarray | None,
     cos: np.ndarray,
     position_ids: np.ndarray | None,
     out: Any,
+    out_k: Any,
     interleaved: bool,
     rotary_embedding_dim: int,
     layout: str,
@@ -685,29 +690,31 @@ def fast_key(
 ) -> tuple:
     """What a compiled plan is found by, read before any validation: the input's
     shape and dtype, the dtypes of the caches and the ids (None for none), the options
-    as given, and whether the output is the input (a kernel of its own).
-    ``rotary.rotary_embedding`` builds the same tuple inline (a function call is a
+    as given, and whether the output is the input (a kernel of its own); for two
+    tensors (q and k) also k's shape and whether ``out_k`` is k. ``rotary_embedding``
+    and ``rotary_embedding_qk`` build the same tuples inline (a function call is a
     tenth of the call it saves)."""
-    return (
+    key = (
         x.shape, x.dtype, cos.dtype, None if position_ids is None else position_ids.dtype,
         interleaved, rotary_embedding_dim, layout, inverse, out is x,
     )  # fmt: skip
+    return key if k is None else (*key, k.shape, out_k is k)
 
 
 def _fast_candidate(call: Call, inputs: tuple, key_options: tuple) -> bool:
-    """Whether calls of this validated signature may get a compiled plan: one ``bhsd``
-    tensor (the layout whose input is its own BHSD view), options that
+    """Whether calls of this validated signature may get a compiled plan: ``bhsd``
+    tensors (the layout whose input is its own BHSD view), options that
     :func:`fast_key` can hold, position ids or none (no offset), and work that runs on
     the calling thread whatever the thread count (below the helper's, the parallel
     kernels' and streaming's thresholds)."""
+    size = sum(x.size for x in inputs)
     return (
-        len(inputs) == 1
-        and len(key_options) == 4
+        len(key_options) == 4
         and call.layout == "bhsd"
         and call.positions in ("ids", "token")
-        and inputs[0].size < config.HELPER_MIN_ELEMENTS
-        and inputs[0].size < config.PARALLEL_MIN_ELEMENTS
-        and inputs[0].nbytes < config.STREAMING_MIN_BYTES
+        and size < config.HELPER_MIN_ELEMENTS
+        and size < config.PARALLEL_MIN_ELEMENTS
+        and sum(x.nbytes for x in inputs) < config.STREAMING_MIN_BYTES
     )
 
 
@@ -716,18 +723,18 @@ def remember_fast(key: tuple, options: tuple, rotary_dim: int, arrays: tuple, vi
     thread, rows contiguous) a compiled plan under ``key`` (:func:`fast_key`, which
     holds the dtypes of the input, the caches and the ids). ``options``: its kernel
     options; ``arrays``: the input and the ids (or None) as the caller passed them;
-    ``views``: the input, caches and output as the kernels take them (16-bit formats
-    as integers)."""
+    ``views``: the input, k (or None), the caches and the outputs (out_k None for
+    one tensor) as the kernels take them (16-bit formats as integers)."""
     x, position_ids = arrays
-    x_view, cos_view, sin_view, out_view = views
-    function = helper.runner(options, (x_view, None, cos_view, sin_view, position_ids))
+    x_view, k_view, cos_view, sin_view, out_view, out_k_view = views
+    function = helper.runner(options, (x_view, k_view, cos_view, sin_view, position_ids))
     plan = np.zeros(PLAN_SLOTS, np.int64)
     plan[PLAN_RUNNER] = function.address
     plan[PLAN_ROTARY_DIM] = rotary_dim
     plan[PLAN_TILE] = config.TOKENS_PER_TILE
     for slot, array in (
-        (PLAN_X, x_view), (PLAN_COS, cos_view), (PLAN_SIN, sin_view),
-        (PLAN_POSITIONS, position_ids), (PLAN_OUT, out_view),
+        (PLAN_X, x_view), (PLAN_K, k_view), (PLAN_COS, cos_view), (PLAN_SIN, sin_view),
+        (PLAN_POSITIONS, position_ids), (PLAN_OUT, out_view), (PLAN_OUT_K, out_k_view),
     ):  # fmt: skip
         if array is not None:
             plan[slot] = array.ndim
@@ -765,6 +772,37 @@ def run_fast(fast: tuple, x: Any, cos: Any, sin: Any, position_ids: Any, out: An
         cos, sin = cos.view(cache_storage), sin.view(cache_storage)
     status = planned(x_view, None, cos, sin, position_ids, out_view, None, plan)
     return out if status == DONE else None
+
+
+def run_fast_qk(
+    fast: tuple, q: Any, k: Any, cos: Any, sin: Any, position_ids: Any, out_q: Any, out_k: Any
+) -> Any:
+    """:func:`run_fast` for q and k: ``(out_q, out_k)``, or None (k, ``out_q`` or
+    ``out_k`` of another type or dtype, or what ``planned`` refuses)."""
+    plan, dtype, cache_dtype, storage, cache_storage, _ = fast
+    if (
+        type(k) is not np.ndarray
+        or k.dtype is not dtype
+        or type(sin) is not np.ndarray
+        or sin.dtype is not cache_dtype
+    ):
+        return None
+    if out_q is None:
+        out_q = np.empty(q.shape, dtype)
+    elif type(out_q) is not np.ndarray or out_q.dtype is not dtype:
+        return None
+    if out_k is None:
+        out_k = np.empty(k.shape, dtype)
+    elif type(out_k) is not np.ndarray or out_k.dtype is not dtype:
+        return None
+    views = (q, k, out_q, out_k)
+    if storage is not None:
+        views = (q.view(storage), k.view(storage), out_q.view(storage), out_k.view(storage))
+    if cache_storage is not None:
+        cos, sin = cos.view(cache_storage), sin.view(cache_storage)
+    q_view, k_view, out_q_view, out_k_view = views
+    status = planned(q_view, k_view, cos, sin, position_ids, out_q_view, out_k_view, plan)
+    return (out_q, out_k) if status == DONE else None
 
 
 def _forget_fast() -> None:

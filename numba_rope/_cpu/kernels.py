@@ -807,25 +807,22 @@ def _shape_is(array, plan, slot):  # pragma: no cover - see overload
     raise NotImplementedError
 
 
-@overload(_shape_is, inline="always")
+@overload(_shape_is)  # not inlined: numba's inliner loses loop variables' scope
 def _shape_is_overload(array, plan, slot):
     if isinstance(array, types.NoneType):
         return lambda array, plan, slot: plan[slot] == 0
 
     def impl(array, plan, slot):
-        if plan[slot] != array.ndim:
-            return False
+        same = plan[slot] == array.ndim
         for i in range(array.ndim):
-            if plan[slot + 1 + i] != array.shape[i]:
-                return False
-        return True
+            same = same and plan[slot + 1 + i] == array.shape[i]
+        return same
 
     return impl
 
 
 def _rows_apart(array):  # pragma: no cover - see overload
-    """Whether ``array`` (or None) has contiguous rows and, for an output, is writable
-    and holds each element once (C-contiguous: a plan takes no other output)."""
+    """Whether ``array`` (or None) has contiguous rows (unit stride on its last axis)."""
     raise NotImplementedError
 
 
@@ -841,7 +838,7 @@ def _c_contiguous_output(out):  # pragma: no cover - see overload
     raise NotImplementedError
 
 
-@overload(_c_contiguous_output, inline="always")
+@overload(_c_contiguous_output)  # not inlined, as _shape_is
 def _c_contiguous_output_overload(out):
     if isinstance(out, types.NoneType):
         return lambda out: True
@@ -851,12 +848,13 @@ def _c_contiguous_output_overload(out):
         return lambda out: True
 
     def impl(out):
+        contiguous = True
         step = out.itemsize
-        for i in range(out.ndim - 1, -1, -1):
-            if out.shape[i] != 1 and out.strides[i] != step:
-                return False
-            step *= out.shape[i]
-        return True
+        for j in range(out.ndim):
+            i = out.ndim - 1 - j
+            contiguous = contiguous and (out.shape[i] == 1 or out.strides[i] == step)
+            step = step * out.shape[i]
+        return contiguous
 
     return impl
 
