@@ -149,7 +149,9 @@ def rotary_embedding(
             )  # fmt: skip
             fast = cpu_backend.FAST.get(fast_key)
             if fast is not None:
-                result = cpu_backend.run_fast(fast, input, cos_cache, sin_cache, position_ids, out)
+                result = cpu_backend.run_fast(
+                    fast, input, None, cos_cache, sin_cache, position_ids, out, None
+                )
                 if result is not None:
                     return result
         # A NumPy call whose signature was validated before runs its plan directly.
@@ -396,7 +398,7 @@ position_offset, inverse, stream, check_position_ids
             )  # fmt: skip
             fast = cpu_backend.FAST.get(fast_key)
             if fast is not None:
-                results = cpu_backend.run_fast_qk(
+                results = cpu_backend.run_fast(
                     fast, q, k, cos_cache, sin_cache, position_ids, out_q, out_k
                 )
                 if results is not None:

@@ -237,13 +237,14 @@ def test_qk_with_one_of_q_and_k_in_place(rng, monkeypatch, which, parallel):
 
 @pytest.fixture
 def fast_runs(monkeypatch):
-    """The calls that ran by a compiled plan, counted: [ran, fell back]."""
-    counts = [0, 0]
+    """The calls that ran by a compiled plan, counted ``[ran, fell back]``, for one
+    tensor (``"one"``) and for q and k (``"qk"``)."""
+    counts = {"one": [0, 0], "qk": [0, 0]}
     run_fast = cpu_backend.run_fast
 
-    def counting(*args):
-        result = run_fast(*args)
-        counts[result is None] += 1
+    def counting(fast, x, k, *args):
+        result = run_fast(fast, x, k, *args)
+        counts["one" if k is None else "qk"][result is None] += 1
         return result
 
     monkeypatch.setattr(cpu_backend, "run_fast", counting)
@@ -293,7 +294,7 @@ def test_compiled_plan_gives_the_contract_bits(rng, fast_runs, dtype, options):
         if out is not None:
             assert got is out
         assert_bitwise_equal(got, expected)
-    assert fast_runs == [2, 0]  # the last two calls ran by the compiled plan
+    assert fast_runs == {"one": [2, 0], "qk": [0, 0]}  # the last two calls, by the plan
 
 
 def _outcome(call):
@@ -313,7 +314,7 @@ def test_compiled_plan_leaves_other_calls_to_the_general_path(rng, fast_runs):
     x, cos, sin, ids = make_case(rng, (2, 3, 4, 16), np.float32, n_positions=10)
     out = np.empty_like(x)
     _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids, out=out))
-    assert fast_runs[0] >= 1
+    assert fast_runs["one"][0] >= 1
     bad_ids = ids.copy()
     bad_ids[1, 2] = 10
     frozen = np.empty_like(x)
@@ -365,11 +366,11 @@ def test_compiled_plan_leaves_other_calls_to_the_general_path(rng, fast_runs):
             x, cos, sin, ids.astype(np.int32), out=out
         ),
     }
-    ran = fast_runs[0]
+    ran = fast_runs["one"][0]
     with_plan = {name: _outcome(call) for name, call in calls.items()}
-    assert fast_runs == [ran, len(calls)]  # each call was tried by the plan, and refused
+    assert fast_runs["one"] == [ran, len(calls)]  # each call was tried by the plan, refused
     with_plan.update({name: _outcome(call) for name, call in others.items()})
-    assert fast_runs == [ran, len(calls)]
+    assert fast_runs["one"] == [ran, len(calls)]
     calls.update(others)
     assert cpu_backend.FAST
     for name, call in calls.items():
@@ -423,24 +424,9 @@ def test_compiled_plans_only_for_small_bhsd_calls(rng, monkeypatch):
     assert not cpu_backend.FAST  # at the helper's threshold: not whatever the threads
 
 
-@pytest.fixture
-def fast_qk_runs(monkeypatch):
-    """The q+k calls that ran by a compiled plan, counted: [ran, fell back]."""
-    counts = [0, 0]
-    run_fast_qk = cpu_backend.run_fast_qk
-
-    def counting(*args):
-        result = run_fast_qk(*args)
-        counts[result is None] += 1
-        return result
-
-    monkeypatch.setattr(cpu_backend, "run_fast_qk", counting)
-    return counts
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=[d.name for d in DTYPES])
 @pytest.mark.parametrize("form", ["out", "allocating", "q in place", "both in place", "no ids"])
-def test_compiled_plan_of_q_and_k_gives_the_contract_bits(rng, fast_qk_runs, dtype, form):
+def test_compiled_plan_of_q_and_k_gives_the_contract_bits(rng, fast_runs, dtype, form):
     # Hugging Face's form: q and k (fewer heads) bhsd, caches per token or by ids.
     with_ids = form != "no ids"
     _, cos, sin, ids = make_case(rng, (2, 4, 3, 16), dtype, position_ids=with_ids)
@@ -457,10 +443,10 @@ def test_compiled_plan_of_q_and_k_gives_the_contract_bits(rng, fast_qk_runs, dty
             assert given is None or result is given
         assert_bitwise_equal(got[0], expected[0])
         assert_bitwise_equal(got[1], expected[1])
-    assert fast_qk_runs == [2, 0]
+    assert fast_runs == {"one": [0, 0], "qk": [2, 0]}
 
 
-def test_compiled_plan_of_q_and_k_leaves_other_calls_to_the_general_path(rng, fast_qk_runs):
+def test_compiled_plan_of_q_and_k_leaves_other_calls_to_the_general_path(rng, fast_runs):
     q, cos, sin, ids = make_case(rng, (2, 4, 3, 16), np.float32, n_positions=9)
     k = rng.standard_normal((2, 2, 3, 16)).astype(np.float32)
     out_q, out_k = np.empty_like(q), np.empty_like(k)
@@ -503,11 +489,11 @@ def test_compiled_plan_of_q_and_k_leaves_other_calls_to_the_general_path(rng, fa
             out_k=buffer[q.size :].reshape(k.shape),
         ),
     }
-    ran, refused = fast_qk_runs
+    ran, refused = fast_runs["qk"]
     with_plan = {name: _outcome(call) for name, call in calls.items()}
     # Found by all but "k of other heads" (k's shape is in the key); run only for the
     # last, two C-contiguous outputs apart in one buffer.
-    assert fast_qk_runs == [ran + 1, refused + len(calls) - 2]
+    assert fast_runs["qk"] == [ran + 1, refused + len(calls) - 2]
     for name, call in calls.items():
         cpu_backend.FAST.clear()
         cpu_backend.PLANS.clear()

@@ -752,14 +752,24 @@ def remember_fast(key: tuple, options: tuple, rotary_dim: int, arrays: tuple, vi
     )
 
 
-def run_fast(fast: tuple, x: Any, cos: Any, sin: Any, position_ids: Any, out: Any) -> Any:
+def run_fast(
+    fast: tuple,
+    x: Any,
+    k: Any,
+    cos: Any,
+    sin: Any,
+    position_ids: Any,
+    out: Any,
+    out_k: Any,
+) -> Any:
     """Run a call by the compiled plan ``fast`` (found by :func:`fast_key`: the input,
-    caches and ids are of its dtypes), or return None, having written nothing, when it
-    is not that plan's call: a ``sin_cache`` or ``out`` of another type or dtype
-    (compared by identity: NumPy has one dtype object of each native kind, so an equal
-    dtype that is another object only misses the plan), or whatever
-    :func:`~numba_rope._cpu.kernels.planned` refuses. The general path then takes the
-    call."""
+    caches and ids are of its dtypes) and return its output (a tuple of both for q and
+    k), or return None, having written nothing, when it is not that plan's call: k,
+    ``sin_cache`` or an output of another type or dtype (compared by identity: NumPy
+    has one dtype object of each native kind, so an equal dtype that is another object
+    only misses the plan), or whatever :func:`~numba_rope._cpu.kernels.planned`
+    refuses. The general path then takes the call. ``k`` and ``out_k`` are None for
+    one tensor."""
     plan, dtype, cache_dtype, storage, cache_storage, _ = fast
     if type(sin) is not np.ndarray or sin.dtype is not cache_dtype:
         return None
@@ -767,42 +777,24 @@ def run_fast(fast: tuple, x: Any, cos: Any, sin: Any, position_ids: Any, out: An
         out = np.empty(x.shape, dtype)
     elif type(out) is not np.ndarray or out.dtype is not dtype:
         return None
-    x_view, out_view = (x, out) if storage is None else (x.view(storage), out.view(storage))
-    if cache_storage is not None:
-        cos, sin = cos.view(cache_storage), sin.view(cache_storage)
-    status = planned(x_view, None, cos, sin, position_ids, out_view, None, plan)
-    return out if status == DONE else None
-
-
-def run_fast_qk(
-    fast: tuple, q: Any, k: Any, cos: Any, sin: Any, position_ids: Any, out_q: Any, out_k: Any
-) -> Any:
-    """:func:`run_fast` for q and k: ``(out_q, out_k)``, or None (k, ``out_q`` or
-    ``out_k`` of another type or dtype, or what ``planned`` refuses)."""
-    plan, dtype, cache_dtype, storage, cache_storage, _ = fast
-    if (
-        type(k) is not np.ndarray
-        or k.dtype is not dtype
-        or type(sin) is not np.ndarray
-        or sin.dtype is not cache_dtype
-    ):
-        return None
-    if out_q is None:
-        out_q = np.empty(q.shape, dtype)
-    elif type(out_q) is not np.ndarray or out_q.dtype is not dtype:
-        return None
-    if out_k is None:
-        out_k = np.empty(k.shape, dtype)
-    elif type(out_k) is not np.ndarray or out_k.dtype is not dtype:
-        return None
-    views = (q, k, out_q, out_k)
+    if k is not None:
+        if type(k) is not np.ndarray or k.dtype is not dtype:
+            return None
+        if out_k is None:
+            out_k = np.empty(k.shape, dtype)
+        elif type(out_k) is not np.ndarray or out_k.dtype is not dtype:
+            return None
+    x_view, k_view, out_view, out_k_view = x, k, out, out_k
     if storage is not None:
-        views = (q.view(storage), k.view(storage), out_q.view(storage), out_k.view(storage))
+        x_view, out_view = x.view(storage), out.view(storage)
+        if k is not None:
+            k_view, out_k_view = k.view(storage), out_k.view(storage)
     if cache_storage is not None:
         cos, sin = cos.view(cache_storage), sin.view(cache_storage)
-    q_view, k_view, out_q_view, out_k_view = views
-    status = planned(q_view, k_view, cos, sin, position_ids, out_q_view, out_k_view, plan)
-    return (out_q, out_k) if status == DONE else None
+    status = planned(x_view, k_view, cos, sin, position_ids, out_view, out_k_view, plan)
+    if status != DONE:
+        return None
+    return out if k is None else (out, out_k)
 
 
 def _forget_fast() -> None:
