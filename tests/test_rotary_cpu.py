@@ -20,7 +20,6 @@ from oracles import (
 )
 
 import numba_rope
-from numba_rope._cpu import kernels as cpu_kernels
 
 DTYPE_IDS = [d.name for d in DTYPES]
 
@@ -102,6 +101,7 @@ def test_decode_steps_go_token_by_token_with_the_contract_bits(rng, monkeypatch,
 def test_row_options_must_be_compile_time_constants():
     """A row's vector step is chosen when a kernel compiles: a run-time option is a
     typing error, never a row that silently takes some other path."""
+    from numba_rope._cpu import kernels as cpu_kernels
 
     @numba.njit
     def rotate(x, cos, out, streaming):
@@ -269,22 +269,17 @@ def test_token_major_order_gives_the_contract_bits(rng, monkeypatch, form, run):
 
 
 @pytest.mark.parametrize("run", ["serial", "helper", "parallel"])
-@pytest.mark.parametrize("form", ["decode", "bshd", "bhsd", "bhsd-long"])
-def test_float16_caches_widened_give_the_contract_bits(rng, monkeypatch, form, run):
-    # float16 cache rows are widened to float32 once for all the heads that use them
-    # (exact), token by token (decode, bshd) or a head-major unit's tile at once
-    # (bhsd; a tile longer than kernels.TILE_WIDENING_ELEMENTS allows takes its rows
-    # as they are: bhsd-long), and the heads rotate by the widened rows: the
-    # contract's bits for every vector step width (24 pairs: a step of 16 and one of
-    # 8; 60: and 4 left to the element loop), partial rotation, the inverse, in
-    # place, and q with k of fewer heads.
+@pytest.mark.parametrize("form", ["decode", "bshd", "bhsd"])
+def test_float16_caches_give_the_contract_bits(rng, monkeypatch, form, run):
+    # Token by token (decode, bshd), float16 cache rows are widened to float32 once
+    # for all the token's heads (exact) and the heads rotate by the widened rows;
+    # head by head (bhsd) each head's vector steps convert them. The contract's bits
+    # either way, for every vector step width (24 pairs: a step of 16 and one of 8;
+    # 60: and 4 left to the element loop), partial rotation, the inverse, in place,
+    # and q with k of fewer heads.
     _run_on(monkeypatch, run)
-    seq_len = {"decode": 1, "bshd": 7, "bhsd": 7, "bhsd-long": 20}[form]
-    sizes = ((48, 0), (128, 120), (130, 48))
-    if form == "bhsd-long":  # 256 pairs: tiles of at most 16 tokens are widened
-        sizes = ((512, 0), (520, 512))
-        assert seq_len > cpu_kernels.TILE_WIDENING_ELEMENTS // 256
-    for head_size, rotary_dim in sizes:
+    seq_len = 1 if form == "decode" else 7
+    for head_size, rotary_dim in ((48, 0), (128, 120), (130, 48)):
         x, cos, sin, ids = make_case(
             rng, (3, 6, seq_len, head_size), np.float16, rotary_dim=rotary_dim
         )

@@ -525,9 +525,9 @@ def make_plan(
 
     ``key_options``: the call's options as given (``interleaved``,
     ``rotary_embedding_dim``, ``layout``, ``inverse``), for :func:`fast_key`. A plan of
-    one ``bhsd`` tensor with position ids or none, whose calls run on the calling thread
-    alone, gives its signature a compiled plan (:func:`remember_fast`) after
-    ``FAST_AFTER`` calls.
+    ``bhsd`` tensors with position ids or none, whose calls run on the calling thread
+    alone (:func:`_fast_candidate`), gives its signature a compiled plan
+    (:func:`remember_fast`) after ``FAST_AFTER`` calls with contiguous rows.
     """
     # One function with a closure, not helpers: everything the plan can decide once is
     # decided here, and each helper call on its path would cost the small call a
@@ -662,7 +662,7 @@ def make_plan(
     return plan
 
 
-# -- compiled plans: the small calls of one tensor that a program makes again and again ----
+# -- compiled plans: the small bhsd calls that a program makes again and again -----------
 
 #: Compiled plans by :func:`fast_key`: ``(plan, dtype, cache dtype, storage, cache
 #: storage, runner)``, see :func:`run_fast`. Emptied when a tuning constant of
@@ -671,9 +671,10 @@ def make_plan(
 FAST: dict[tuple, tuple] = {}
 
 #: Calls a Python plan runs (see :func:`make_plan`) before its signature gets a compiled
-#: plan: making one compiles a runner for the kernel options, if no helper job has,
-#: which a signature called once or twice (as most of the tests do) would not repay.
-FAST_AFTER = 2
+#: plan: making one compiles, the first time on a machine, a runner for the kernel
+#: options (if no helper job has) and ``kernels.planned`` for the arrays' types, 1-2 s
+#: each, which a signature called a few times (as most of the tests do) would not repay.
+FAST_AFTER = 8
 
 
 def fast_key(

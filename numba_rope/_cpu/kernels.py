@@ -290,85 +290,6 @@ def _token_units(
                 )
 
 
-#: float32 elements of each cache a head-major unit's rows are widened into (see
-#: :func:`_widened_units`): 16 KiB each, a tile of 16 rows of 256 pairs or 64 of 64.
-TILE_WIDENING_ELEMENTS = 4096
-
-
-def _tile_scratch(cache, half):  # pragma: no cover - see overload
-    """Room for a tile's float16 cos and sin rows in float32 (``TILE_WIDENING_ELEMENTS``
-    of each), made once per range of units; for :func:`_widened_units`."""
-    raise NotImplementedError
-
-
-@overload(_tile_scratch, inline="always")
-def _tile_scratch_overload(cache, half):
-    def impl(cache, half):
-        rows = max(1, TILE_WIDENING_ELEMENTS // max(half, 1))
-        return np.empty((2 * rows, max(half, 1)), np.float32)
-
-    return impl
-
-
-@cached_njit(inline="always")
-def _widened_units(
-    x,
-    cos,
-    sin,
-    positions,
-    out,
-    rotary_dim,
-    first,
-    end,
-    tile,
-    n_groups,
-    interleaved,
-    sign,
-    words,
-    streaming,
-    scratch,
-):
-    """:func:`_contiguous_units` for float16 caches: a unit whose tile's cos/sin rows
-    fit ``scratch`` (:func:`_tile_scratch`) has them widened to float32 once, for all
-    its heads, instead of in every head's vector steps, which F16C's conversions bound
-    (six per step with float16 caches, four without). Longer tiles (a prefill's,
-    streamed head by head) take their rows as they are. Widening is exact: the bits do
-    not change."""
-    head_size = x.shape[3]
-    half = rotary_dim // 2
-    rows = scratch.shape[0] // 2
-    for unit in range(first, end):
-        b, s0, s1, h0, h1 = _unit_bounds(unit, x.shape[2], x.shape[1], tile, n_groups)
-        if s1 - s0 > rows:
-            _contiguous_units(x, cos, sin, positions, out, rotary_dim, unit, unit + 1, tile,
-                              n_groups, interleaved, sign, words, streaming, scratch)  # fmt: skip
-            continue
-        for s in range(s0, s1):
-            cos_row = row(cos, _cache_row_offset(cos, positions, b, s), half)
-            sin_row = row(sin, _cache_row_offset(sin, positions, b, s), half)
-            cos_wide = row(scratch, 8 * (s - s0) * scratch.shape[1], half)
-            sin_wide = row(scratch, 4 * (2 * (s - s0) + 1) * scratch.shape[1], half)
-            for pair in range(half):
-                i = np.uint64(pair)
-                cos_wide[i] = widen(cos_row[i])
-                sin_wide[i] = widen(sin_row[i])
-        for h in range(h0, h1):
-            for s in range(s0, s1):
-                x_offset = b * x.strides[0] + h * x.strides[1] + s * x.strides[2]
-                out_offset = b * out.strides[0] + h * out.strides[1] + s * out.strides[2]
-                rotate_row(
-                    row(x, x_offset, head_size),
-                    row(scratch, 8 * (s - s0) * scratch.shape[1], half),
-                    row(scratch, 4 * (2 * (s - s0) + 1) * scratch.shape[1], half),
-                    row(out, out_offset, head_size),
-                    interleaved,
-                    rotary_dim,
-                    sign,
-                    words,
-                    streaming,
-                )
-
-
 @cached_njit(inline="always")
 def _strided_units(
     x,
@@ -552,8 +473,6 @@ def _units_overload(
         loop = _token_units if token_major else _contiguous_units
         if token_major:
             scratch_for = _cache_scratch  # one scratch for all the units of this range
-        elif cos.dtype == types.uint16:  # float16 caches: widened per tile where it fits
-            loop, scratch_for = _widened_units, _tile_scratch
 
     # Closure constants, which numba prunes: each loop call below compiles only if its
     # branch is taken (a wrapper function per tensor cost 40-70% more cold compile).
