@@ -622,18 +622,10 @@ def make_kernels(
             if owner:
                 relay.release(block)
             return DONE
-        relay.store_array(block, relay.X_AT, x)
-        relay.store_array(block, relay.OUT_AT, out)
+        relay.store_job(block, x, out, cos, sin, positions, rotary_dim, tile, n_groups, n_units)
         if k is not None:
             relay.store_array(block, relay.K_AT, k)
             relay.store_array(block, relay.OUT_K_AT, out_k)
-        relay.store_array(block, relay.COS_AT, cos)
-        relay.store_array(block, relay.SIN_AT, sin)
-        relay.store_positions(block, relay.POSITIONS_AT, positions)
-        block[relay.ROTARY_DIM_AT] = rotary_dim
-        block[relay.TILE_AT] = tile
-        block[relay.GROUPS_AT] = n_groups
-        block[relay.UNITS_AT] = n_units
         relay.publish(block, runner, n_chunks)
         own = 0
         chunk = relay.claim_own(block)
@@ -817,19 +809,12 @@ def planned(x, k, cos, sin, positions, out, out_k, plan):
     if _checked(x, k, cos, sin, positions, out, out_k, True) != DONE:
         return NOT_PLANNED
     tile = plan[PLAN_TILE]
+    n_units = _n_units(x.shape[0], x.shape[2], tile, 1)
     block = np.empty(relay.BLOCK_SLOTS, np.int64)
-    relay.store_array(block, relay.X_AT, x)
-    relay.store_array(block, relay.OUT_AT, out)
+    relay.store_job(block, x, out, cos, sin, positions, plan[PLAN_ROTARY_DIM], tile, 1, n_units)
     if k is not None:
         relay.store_array(block, relay.K_AT, k)
         relay.store_array(block, relay.OUT_K_AT, out_k)
-    relay.store_array(block, relay.COS_AT, cos)
-    relay.store_array(block, relay.SIN_AT, sin)
-    relay.store_positions(block, relay.POSITIONS_AT, positions)
-    block[relay.ROTARY_DIM_AT] = plan[PLAN_ROTARY_DIM]
-    block[relay.TILE_AT] = tile
-    block[relay.GROUPS_AT] = 1
-    block[relay.UNITS_AT] = _n_units(x.shape[0], x.shape[2], tile, 1)
     block[relay.CHUNKS] = 1
     relay.call_runner(plan[PLAN_RUNNER], block, 0)
     return DONE

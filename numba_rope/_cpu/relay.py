@@ -268,6 +268,22 @@ def store_array(block, slot, array):
 
 
 @cached_njit(inline="always")
+def store_job(block, x, out, cos, sin, positions, rotary_dim, tile, n_groups, n_units):
+    """Write a job's arguments but k's into ``block``: the arrays (see
+    :func:`store_array`), the positions and the integers a runner reads (the callers
+    add k and its output, for which numba must see ``k is None`` in their own code)."""
+    store_array(block, X_AT, x)
+    store_array(block, OUT_AT, out)
+    store_array(block, COS_AT, cos)
+    store_array(block, SIN_AT, sin)
+    store_positions(block, POSITIONS_AT, positions)
+    block[ROTARY_DIM_AT] = rotary_dim
+    block[TILE_AT] = tile
+    block[GROUPS_AT] = n_groups
+    block[UNITS_AT] = n_units
+
+
+@cached_njit(inline="always")
 def take_ownership(block):
     """Whether this caller may publish a job (no other caller is running one)."""
     return compare_exchange(block, OWNER, 0, 1)
