@@ -139,6 +139,7 @@ def rotary_embedding(
             and (inverse is False or inverse is True)
             and type(rotary_embedding_dim) is int
             and type(layout) is str
+            and layout == "bhsd"  # the only layout with compiled plans
         ):
             # A small call repeated: its compiled plan, found by cpu_backend.fast_key.
             host: Any = input  # a NumPy array (ArrayT does not narrow)
@@ -386,6 +387,7 @@ position_offset, inverse, stream, check_position_ids
             and (inverse is False or inverse is True)
             and type(rotary_embedding_dim) is int
             and type(layout) is str
+            and layout == "bhsd"  # the only layout with compiled plans
         ):
             # A small call repeated: its compiled plan, found by cpu_backend.fast_key.
             host_q: Any = q  # NumPy arrays (ArrayT does not narrow)

@@ -742,7 +742,7 @@ def remember_fast(key: tuple, options: tuple, rotary_dim: int, arrays: tuple, vi
             plan[slot + 1 : slot + 1 + array.ndim] = array.shape
     if len(FAST) >= MAX_PLANS:
         FAST.clear()
-    cache_dtype = key[2]
+    cache_dtype = key[2]  # fast_key holds (shape, dtype, cache dtype, ...)
     FAST[key] = (
         plan,
         x.dtype,
