@@ -12,10 +12,11 @@ import numpy as np
 def _round_to_bfloat16(values: np.ndarray, bfloat16: np.dtype) -> np.ndarray:
     """float64 -> bfloat16, rounded once to nearest even.
 
-    ``ml_dtypes`` converts float64 through float32, rounding twice (1 + 2**-8 + 2**-30
-    becomes 1, not 1 + 2**-7). Rounding to float32 *to odd* first (truncate, then set the
-    last bit when anything was dropped) keeps the information the second rounding
-    needs, so the result is the correctly rounded one.
+    Converting float64 through float32 rounds twice (1 + 2**-8 + 2**-30 becomes 1, not
+    1 + 2**-7), and ``ml_dtypes`` 0.6 converts float64 that way (0.7 rounds once).
+    Rounding to float32 *to odd* first (truncate, then set the last bit when anything
+    was dropped) keeps the information the second rounding needs, so the result is the
+    correctly rounded one whichever ``ml_dtypes`` is installed.
     """
     narrowed = np.asarray(values, dtype=np.float64).astype(np.float32)
     values = np.asarray(values, dtype=np.float64)

@@ -5,7 +5,7 @@ reference step by step, but multiplies the pairs out in real arithmetic
 (``x1*cos - x2*sin``, ``x2*cos + x1*sin``) rather than as complex numbers, so that
 infinities propagate as the formula says (``1j * inf`` is ``nan + inf*j`` in NumPy). It
 evaluates in float64 whatever the input dtype and rounds once to the input's dtype
-(for bfloat16 through float32 rounded to odd: ``ml_dtypes`` alone would round twice). It
+(for bfloat16 through float32 rounded to odd: ``ml_dtypes`` 0.6 alone rounds twice). It
 checks position ids (NumPy would silently wrap negative ones) and nothing else.
 ``precision="contract"`` evaluates the kernels' numerical contract instead (float32,
 one rounding per operation, rounded once), for checking 16-bit results bit for bit.

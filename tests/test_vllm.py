@@ -60,7 +60,7 @@ def vllm_native(positions, query, key, head_size, cos_sin_cache, is_neox_style):
             rotated = np.stack([o1, o2], axis=-1).reshape(rot.shape)
         return np.concatenate([rotated, rest], axis=-1).reshape(shape)
 
-    # Rounded to the output dtype (bfloat16: ml_dtypes goes through float32, rounding
+    # Rounded to the output dtype (bfloat16: ml_dtypes 0.6 goes through float32, rounding
     # twice, a hair over half a unit: inside the two units allowed).
     out_q = rotate(query).astype(query.dtype)
     out_k = None if key is None else rotate(key).astype(key.dtype)
