@@ -114,7 +114,9 @@ def _check_dtype(dtype: Any) -> np.dtype:
             f"dtype must be one of {', '.join(CACHE_DTYPES)} (bfloat16 as "
             f"ml_dtypes.bfloat16), got {dtype!r}"
         )
-    return resolved.newbyteorder("=")  # the kernels read native byte order
+    # The kernels read native byte order; np.dtype of the scalar type is NumPy's one
+    # object of that kind (newbyteorder would make a new one at each call).
+    return np.dtype(resolved.type)
 
 
 def _accepted_keys(rope_type: str) -> str:

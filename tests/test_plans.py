@@ -500,3 +500,58 @@ def test_compiled_plan_of_q_and_k_leaves_other_calls_to_the_general_path(rng, fa
         assert with_plan[name] == _outcome(call), name
     assert with_plan["outputs sharing memory"][0] is ValueError
     assert with_plan["bad ids"][0] is IndexError
+
+
+def test_threads_sharing_compiled_plans_get_their_own_bits(rng, fast_runs):
+    # Plans are made by whichever thread gets there first and then run by all of them,
+    # concurrently: each call must still rotate its own input into its own output.
+    from concurrent.futures import ThreadPoolExecutor
+
+    shape, k_shape = (2, 4, 3, 16), (2, 2, 3, 16)
+    _, cos, sin, ids = make_case(rng, shape, np.float16)
+    inputs = [
+        [
+            (rng.standard_normal(shape).astype(np.float16), rng.standard_normal(k_shape))
+            for _ in range(3 * cpu_backend.FAST_AFTER)
+        ]
+        for _ in range(4)
+    ]
+
+    def work(pairs):
+        results = []
+        for x, k in pairs:
+            k = k.astype(np.float16)
+            one = numba_rope.rotary_embedding(x, cos, sin, ids)
+            both = numba_rope.rotary_embedding_qk(x, k, cos, sin, ids)
+            results.append((x, k, one, both))
+        return results
+
+    with ThreadPoolExecutor(4) as pool:
+        done = list(pool.map(work, inputs))
+    for results in done:
+        for x, k, one, (q_out, k_out) in results:
+            expected = float32_contract(x, cos, sin, ids)
+            assert_bitwise_equal(one, expected)
+            assert_bitwise_equal(q_out, expected)
+            assert_bitwise_equal(k_out, float32_contract(k, cos, sin, ids))
+    assert fast_runs["one"][0] > 0 and fast_runs["qk"][0] > 0  # the plans did run
+    assert fast_runs["one"][1] == fast_runs["qk"][1] == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=[d.name for d in DTYPES])
+def test_compiled_plan_takes_equal_dtypes_that_are_other_objects(rng, fast_runs, dtype):
+    # NumPy's native dtypes are one object each, but an equal dtype can be another
+    # object (newbyteorder("="), unpickling, rope_cache before this was found): such
+    # arrays used to miss their plan at every call, silently slower.
+    x, cos, sin, ids = make_case(rng, (1, 2, 3, 16), dtype)
+    _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids))
+    other = dtype.newbyteorder("=")
+    assert other == dtype and other is not dtype
+    for arrays in [(x, cos.view(other), sin.view(other)), (x.view(other), cos, sin)]:
+        out = np.full_like(x, np.nan).view(other)
+        got = numba_rope.rotary_embedding(*arrays, ids, out=out)
+        assert got is out
+        assert_bitwise_equal(got.view(dtype), float32_contract(x, cos, sin, ids))
+    assert fast_runs == {"one": [3, 0], "qk": [0, 0]}
+    cos2, sin2 = numba_rope.rope_cache(cos.shape[0], 32, dtype=dtype)
+    assert cos2.dtype is dtype and sin2.dtype is dtype  # NumPy's own object

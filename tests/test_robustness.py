@@ -135,13 +135,32 @@ x = rng.standard_normal((2, 4, 256, 16), dtype=np.float32)
 k = rng.standard_normal((2, 2, 256, 16), dtype=np.float32)
 ids = rng.integers(0, 300, size=(2, 256))
 
+small = rng.standard_normal((1, 2, 3, 16), dtype=np.float32)
+small_ids = np.ascontiguousarray(ids[:1, :3])
+
 def work(_=None):
     cos, sin = numba_rope.rope_cache(300, 16, dtype=np.float32)  # a parallel kernel too
     out = numba_rope.rotary_embedding(x, cos, sin, ids)
     q_out, k_out = numba_rope.rotary_embedding_qk(x, k, cos, sin, ids, interleaved=True)
-    return b"".join(a.tobytes() for a in (cos, sin, out, q_out, k_out))
+    # Small calls repeated: compiled plans, made before the fork and run after it.
+    repeated = [
+        numba_rope.rotary_embedding(small, cos, sin, small_ids)
+        for _ in range(backend.FAST_AFTER + 2)
+    ]
+    return b"".join(a.tobytes() for a in (cos, sin, out, q_out, k_out, *repeated))
 
+plans_ran = []
+run_fast = backend.run_fast
+
+def counting_run_fast(*args):
+    result = run_fast(*args)
+    plans_ran.append(result is not None)
+    return result
+
+backend.run_fast = counting_run_fast
 expected = work()
+assert backend.FAST and plans_ran and all(plans_ran), "no compiled plan before the fork"
+plans_ran.clear()
 print("layer", numba.threading_layer(), flush=True)  # raises unless threads started
 # Another thread inside a parallel call at the fork holds the workqueue lock: a child
 # must not inherit it held.
@@ -151,7 +170,8 @@ pid = os.fork()
 if pid == 0:
     code = 4
     try:
-        code = 0 if work() == expected else 3
+        same = work() == expected
+        code = 0 if same and plans_ran and all(plans_ran) else 3  # plans ran in the child
     except BaseException:
         traceback.print_exc()
     finally:
