@@ -26,7 +26,7 @@ import numpy as np
 
 from numba_rope import config
 from numba_rope._conversions import BFLOAT16_STORAGE, FLOAT16_STORAGE
-from numba_rope._cpu import helper
+from numba_rope._cpu import helper, pool
 from numba_rope._cpu.kernels import (
     DONE,
     FIRST_IN_PLACE,
@@ -120,7 +120,7 @@ def run(
     integers): ``check_position_ids`` is accepted and ignored.
     """
     results = tuple(
-        np.empty(x.shape, dtype=x.dtype) if out is None else out
+        pool.empty(x.shape, x.dtype) if out is None else out
         for x, out in zip(inputs, outs, strict=True)
     )
     positions = _kernel_positions(call, position_ids, position_offset)
@@ -550,6 +550,9 @@ def make_plan(
     # tokens) rather than from each call's strides: an order only, never the bits.
     by_token = x_logical[2] == 1 or (to_bhsd and x_logical[1] > 1)
     batch, heads, seq_len = x_logical[0], max(x_logical[1], k_logical[1]), x_logical[2]
+    # Outputs as large as the pool takes (reached here only with the constants raised).
+    empty_x = pool.empty if inputs[0].nbytes >= pool.MIN_BYTES else np.empty
+    empty_k = pool.empty if inputs[-1].nbytes >= pool.MIN_BYTES else np.empty
     chosen: dict[tuple[bool, int], tuple] = {}  # kernels and options by (contiguous, in_place)
     runners: dict[tuple, int] = {}  # the helper's runners, by the same and the helper
     splits: dict[tuple[int, int], tuple[int, int, int]] = {}  # by the tuning constants
@@ -584,7 +587,7 @@ def make_plan(
             position_ids = offset  # the kernels take one offset as is
         in_place = out is x
         if out is None:
-            out = np.empty(x_shape, dtype)
+            out = empty_x(x_shape, dtype)
         elif not out.flags.writeable or not (out.flags.c_contiguous or distinct(out)):
             return None
         x_view, out_view = x, out
@@ -592,7 +595,7 @@ def make_plan(
         if two:
             in_place += (out_k is k) * SECOND_IN_PLACE
             if out_k is None:
-                out_k = np.empty(k_shape, dtype)
+                out_k = empty_k(k_shape, dtype)
             elif not out_k.flags.writeable or not (out_k.flags.c_contiguous or distinct(out_k)):
                 return None
             k_view, out_k_view = k, out_k
