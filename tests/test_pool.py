@@ -132,3 +132,22 @@ def test_a_bad_limit_is_refused():
     with pytest.raises(ValueError, match="OUTPUT_POOL_BYTES must be an integer >= 0, got -1"):
         config.OUTPUT_POOL_BYTES = -1
     assert config.OUTPUT_POOL_BYTES == 256 << 20
+
+
+def test_torch_cpu_results_hold_their_outputs(rng, pooled):
+    torch = pytest.importorskip("torch")
+    _, cos, sin, ids = make_case(rng, (2, 3, 4, 16), np.float32)
+    cos_t, sin_t, ids_t = (torch.from_numpy(a) for a in (cos, sin, ids))
+    held = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float32):
+        x = torch.from_numpy(rng.standard_normal((2, 3, 4, 16)).astype(np.float32)).to(dtype)
+        result = numba_rope.rotary_embedding(x, cos_t.to(dtype), sin_t.to(dtype), ids_t)
+        expected = float32_contract(
+            x.float().numpy(), cos_t.to(dtype).float().numpy(), sin_t.to(dtype).float().numpy(), ids
+        )
+        held.append((result, expected, dtype))
+    # The three outputs came from the pool (held: none reused).
+    assert pool.held_bytes() == sum(r.numel() * r.element_size() for r, _, _ in held)
+    for result, expected, dtype in held:  # none overwritten by the calls after it
+        want = torch.from_numpy(expected).to(dtype)  # float32 -> dtype rounds once
+        assert torch.equal(result, want)

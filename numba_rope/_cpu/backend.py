@@ -777,8 +777,8 @@ def run_fast(
     caches and ids are of its dtypes) and return its output (a tuple of both for q and
     k), or return None, having written nothing, when it is not that plan's call: k,
     ``sin_cache`` or an output of another type or dtype (:func:`_same_dtype`), or
-    whatever :func:`~numba_rope._cpu.kernels.planned` refuses. The general path then takes the call. ``k`` and ``out_k`` are None for
-    one tensor."""
+    whatever :func:`~numba_rope._cpu.kernels.planned` refuses. The general path then
+    takes the call. ``k`` and ``out_k`` are None for one tensor."""
     plan, dtype, cache_dtype, storage, cache_storage, _ = fast
     if type(sin) is not np.ndarray or not _same_dtype(sin.dtype, cache_dtype):
         return None
