@@ -103,6 +103,7 @@ def test_accepts_numpy_scalars_and_mappings():
     assert numba_rope.rope_cache(2, 4, dtype=ml_dtypes.bfloat16)[0].dtype == BFLOAT16
     big_endian = numba_rope.rope_cache(2, 4, dtype=">f4")[0]
     assert big_endian.dtype == np.float32 and big_endian.dtype.isnative
+    assert big_endian.dtype is np.dtype(np.float32)  # NumPy's own object: plans compare it
     # transformers' former key name for the type.
     legacy = numba_rope.rope_cache(10, 8, scaling={"type": "linear", "factor": 2.0})
     for g, w in zip(legacy, want, strict=True):
