@@ -756,13 +756,6 @@ def remember_fast(key: tuple, options: tuple, rotary_dim: int, arrays: tuple, vi
     )
 
 
-def _same_dtype(dtype: np.dtype, planned: np.dtype) -> bool:
-    # Identity first: NumPy's native dtypes are one object each, but an equal dtype can
-    # be another object (``newbyteorder("=")``, unpickled arrays, a process forked after
-    # the plan was made).
-    return dtype is planned or dtype == planned
-
-
 def run_fast(
     fast: tuple,
     x: Any,
@@ -776,22 +769,27 @@ def run_fast(
     """Run a call by the compiled plan ``fast`` (found by :func:`fast_key`: the input,
     caches and ids are of its dtypes) and return its output (a tuple of both for q and
     k), or return None, having written nothing, when it is not that plan's call: k,
-    ``sin_cache`` or an output of another type or dtype (:func:`_same_dtype`), or
-    whatever :func:`~numba_rope._cpu.kernels.planned` refuses. The general path then
-    takes the call. ``k`` and ``out_k`` are None for one tensor."""
+    ``sin_cache`` or an output of another type or dtype, or whatever
+    :func:`~numba_rope._cpu.kernels.planned` refuses. The general path then takes the
+    call. ``k`` and ``out_k`` are None for one tensor.
+
+    Dtypes are compared by identity first (NumPy's native dtypes are one object each),
+    then by equality (an equal dtype can be another object: ``newbyteorder("=")``,
+    unpickled arrays), written out inline: a helper function would be a Python call
+    per comparison on the small call's path."""
     plan, dtype, cache_dtype, storage, cache_storage, _ = fast
-    if type(sin) is not np.ndarray or not _same_dtype(sin.dtype, cache_dtype):
+    if type(sin) is not np.ndarray or (sin.dtype is not cache_dtype and sin.dtype != cache_dtype):
         return None
     if out is None:
         out = np.empty(x.shape, dtype)
-    elif type(out) is not np.ndarray or not _same_dtype(out.dtype, dtype):
+    elif type(out) is not np.ndarray or (out.dtype is not dtype and out.dtype != dtype):
         return None
     if k is not None:
-        if type(k) is not np.ndarray or not _same_dtype(k.dtype, dtype):
+        if type(k) is not np.ndarray or (k.dtype is not dtype and k.dtype != dtype):
             return None
         if out_k is None:
             out_k = np.empty(k.shape, dtype)
-        elif type(out_k) is not np.ndarray or not _same_dtype(out_k.dtype, dtype):
+        elif type(out_k) is not np.ndarray or (out_k.dtype is not dtype and out_k.dtype != dtype):
             return None
     x_view, k_view, out_view, out_k_view = x, k, out, out_k
     if storage is not None:
