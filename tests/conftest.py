@@ -2,6 +2,7 @@ import functools
 import os
 import shutil
 import sys
+import threading
 
 
 def _has_nvidia_gpu() -> bool:
@@ -22,6 +23,8 @@ from dataclasses import dataclass  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from numba.core.typed_passes import BaseNativeLowering, NopythonTypeInference  # noqa: E402
+from numba.core.typing import templates  # noqa: E402
 from numba.core.untyped_passes import InlineInlinables  # noqa: E402
 from oracles import (  # noqa: E402
     BFLOAT16,
@@ -30,35 +33,72 @@ from oracles import (  # noqa: E402
     ulp_of,
 )
 
+# -- numba compiling under coverage -----------------------------------------------------
+#
+# The suite is compile-bound: a cold run is almost all numba compiling, and a trace
+# function (coverage's, under --cov) nearly doubles a compile (one float32 and one
+# float16 kernel, cold: 12.2 s traced, 6.7 s not). Most of that is numba's own Python:
+# its type inference (4.1 -> 7.1 s) and the pass inline_inlinables (2.9 -> 7.0 s),
+# which copies the IR of inline="always" functions, made from their bytecode. This
+# package's Python that runs while numba compiles (the @overload functions and the
+# @intrinsic typing functions, called from type inference; the intrinsics' code
+# generators, called in lowering) must still be seen by coverage. So these two run
+# untraced, and the calls into this package's typing and lowering run traced again.
+# Each switch happens in one wrapper frame: a frame that the tracer saw begin ends
+# with the tracer on, one that it did not see begin ends with the tracer off, so that
+# coverage's stack of frames stays in step (switching in numba's event callbacks
+# instead lost lines of the report).
 
-def _untraced_inlining(run_pass: Callable) -> Callable:
-    """numba's pass ``inline_inlinables`` run with the trace function (coverage's,
-    under ``--cov``) paused.
+_paused = threading.local()
 
-    The suite is compile-bound (a cold run is almost all numba compiling), and tracing
-    doubles a compile: one float32 and one float16 kernel took 12.2 s under coverage
-    against 6.7 s without, 4.1 s of the 5.5 s added in this pass, which copies the IR
-    of the ``inline="always"`` functions, made from their bytecode, into the kernel and
-    runs none of this package's Python (the overloads' and intrinsics' Python, which
-    coverage must see, runs in type inference and lowering, still traced). Paused and
-    restored in this one frame, which the tracer saw begin and sees end, so that its
-    stack of frames stays in step; nested runs of the pass find it paused."""
 
-    @functools.wraps(run_pass)
-    def untraced(self, state):
+def _untraced(function: Callable) -> Callable:
+    """``function`` run with the trace function paused (nested calls: as they are)."""
+
+    @functools.wraps(function)
+    def untraced(*args, **kwargs):
         trace = sys.gettrace()
         if trace is None:
-            return run_pass(self, state)
+            return function(*args, **kwargs)
         sys.settrace(None)
+        _paused.trace = trace
         try:
-            return run_pass(self, state)
+            return function(*args, **kwargs)
         finally:
+            _paused.trace = None
             sys.settrace(trace)
 
     return untraced
 
 
-InlineInlinables.run_pass = _untraced_inlining(InlineInlinables.run_pass)
+def _traced_again(function: Callable) -> Callable:
+    """``function`` run with the trace function that :func:`_untraced` paused, if any."""
+
+    @functools.wraps(function)
+    def traced(*args, **kwargs):
+        trace = getattr(_paused, "trace", None)
+        if trace is None or sys.gettrace() is not None:
+            return function(*args, **kwargs)
+        _paused.trace = None
+        sys.settrace(trace)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            sys.settrace(None)
+            _paused.trace = trace
+
+    return traced
+
+
+NopythonTypeInference.run_pass = _untraced(NopythonTypeInference.run_pass)
+InlineInlinables.run_pass = _untraced(InlineInlinables.run_pass)
+templates._OverloadFunctionTemplate._build_impl = _traced_again(
+    templates._OverloadFunctionTemplate._build_impl
+)
+templates._IntrinsicTemplate.generic = _traced_again(templates._IntrinsicTemplate.generic)
+# Lowering, called from type inference too (a function's callees are compiled while it
+# is typed), stays traced: the intrinsics' code generators run in it.
+BaseNativeLowering.run_pass = _traced_again(BaseNativeLowering.run_pass)
 
 
 DEVICES = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
