@@ -23,9 +23,8 @@ from dataclasses import dataclass  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from numba.core.typed_passes import BaseNativeLowering, NopythonTypeInference  # noqa: E402
+from numba.core import typed_passes, untyped_passes  # noqa: E402
 from numba.core.typing import templates  # noqa: E402
-from numba.core.untyped_passes import InlineInlinables  # noqa: E402
 from oracles import (  # noqa: E402
     BFLOAT16,
     assert_bitwise_equal,
@@ -90,15 +89,23 @@ def _traced_again(function: Callable) -> Callable:
     return traced
 
 
-NopythonTypeInference.run_pass = _untraced(NopythonTypeInference.run_pass)
-InlineInlinables.run_pass = _untraced(InlineInlinables.run_pass)
-templates._OverloadFunctionTemplate._build_impl = _traced_again(
-    templates._OverloadFunctionTemplate._build_impl
+#: (owner, method, wrapper): numba's internals (numba 0.68, checked). Lowering, called
+#: from type inference too (a function's callees are compiled while it is typed), stays
+#: traced: the intrinsics' code generators run in it.
+_SWITCHES = (
+    (getattr(typed_passes, "NopythonTypeInference", None), "run_pass", _untraced),
+    (getattr(untyped_passes, "InlineInlinables", None), "run_pass", _untraced),
+    (getattr(templates, "_OverloadFunctionTemplate", None), "_build_impl", _traced_again),
+    (getattr(templates, "_IntrinsicTemplate", None), "generic", _traced_again),
+    (getattr(typed_passes, "BaseNativeLowering", None), "run_pass", _traced_again),
 )
-templates._IntrinsicTemplate.generic = _traced_again(templates._IntrinsicTemplate.generic)
-# Lowering, called from type inference too (a function's callees are compiled while it
-# is typed), stays traced: the intrinsics' code generators run in it.
-BaseNativeLowering.run_pass = _traced_again(BaseNativeLowering.run_pass)
+
+#: Whether the switches are in place: all or none (a numba whose internals moved runs
+#: the suite fully traced, slower; tests/test_conftest.py then fails and says so).
+COMPILING_UNTRACED = all(hasattr(owner, name) for owner, name, _ in _SWITCHES)
+if COMPILING_UNTRACED:
+    for owner, name, wrap in _SWITCHES:
+        setattr(owner, name, wrap(getattr(owner, name)))
 
 
 DEVICES = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]

@@ -6,6 +6,8 @@ import sys
 from numba import njit
 from numba.core.extending import intrinsic, overload
 
+import conftest
+
 
 def test_numba_compiles_untraced_but_for_this_packages_python():
     # conftest pauses the trace function (coverage's) in numba's type inference and
@@ -13,6 +15,7 @@ def test_numba_compiles_untraced_but_for_this_packages_python():
     # that type inference calls and lowering (the intrinsics' code generators), also
     # when a callee is compiled inside type inference. Afterwards the trace function
     # is the same one, called again.
+    assert conftest.COMPILING_UNTRACED, "numba's internals moved: update conftest._SWITCHES"
     seen = []
 
     def trace(frame, event, arg):
