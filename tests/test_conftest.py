@@ -4,18 +4,19 @@ import os
 import sys
 
 from numba import njit
+from numba.core import typed_passes, untyped_passes
 from numba.core.extending import intrinsic, overload
 
 import conftest
 
+HERE = os.path.basename(__file__)
+TYPE_INFERENCE = ("typeinfer.py", "propagate")
+INLINING = ("untyped_passes.py", "_do_work")  # InlineInlinables' work
 
-def test_numba_compiles_untraced_but_for_this_packages_python():
-    # conftest pauses the trace function (coverage's) in numba's type inference and
-    # its pass inline_inlinables, and traces the @overload and @intrinsic functions
-    # that type inference calls and lowering (the intrinsics' code generators), also
-    # when a callee is compiled inside type inference. Afterwards the trace function
-    # is the same one, called again.
-    assert conftest.COMPILING_UNTRACED, "numba's internals moved: update conftest._SWITCHES"
+
+def _compile_traced() -> tuple[set, set]:
+    """Compile new functions (never cached) under a trace function of our own: what it
+    saw called during the compile, and after it (a call of Python)."""
     seen = []
 
     def trace(frame, event, arg):
@@ -41,25 +42,42 @@ def test_numba_compiles_untraced_but_for_this_packages_python():
         return value + 1
 
     @njit
-    def inner(value):  # compiled while rotated is typed: its lowering nested in that
+    def inner(value):  # compiled while outer is typed: its lowering nested in that
         return same(value)
 
     @njit
-    def rotated(value):
+    def outer(value):
         return inner(twice(plus_one(value)))
 
     before = sys.gettrace()
     sys.settrace(trace)
     try:
-        assert rotated(1) == 4  # compiled here: a new function, never cached
-        traced_inside = len(seen)
+        assert outer(1) == 4
+        during = len(seen)
         assert sys.gettrace() is trace
-        assert plus_one.py_func(1) == 2  # a call of Python, traced
+        assert plus_one.py_func(1) == 2
     finally:
         sys.settrace(before)
-    names = set(seen[:traced_inside])
-    here = os.path.basename(__file__)
-    assert {(here, "twice_overload"), (here, "same"), (here, "codegen")} <= names
-    assert ("typeinfer.py", "propagate") not in names  # type inference: untraced
-    assert ("untyped_passes.py", "_do_work") not in names  # InlineInlinables' work
-    assert (here, "plus_one") in set(seen[traced_inside:])
+    return set(seen[:during]), set(seen[during:])
+
+
+def test_numba_compiles_untraced_but_for_this_packages_python():
+    # conftest pauses the trace function (coverage's) in numba's type inference and
+    # its pass inline_inlinables, and traces the @overload and @intrinsic functions
+    # that type inference calls and lowering (the intrinsics' code generators), also
+    # when a callee is compiled inside type inference. Afterwards the trace function
+    # is the same one, called again.
+    assert conftest.COMPILING_UNTRACED, "numba's internals moved: update conftest._SWITCHES"
+    during, after = _compile_traced()
+    assert {(HERE, "twice_overload"), (HERE, "same"), (HERE, "codegen")} <= during
+    assert TYPE_INFERENCE not in during and INLINING not in during
+    assert (HERE, "plus_one") in after
+
+
+def test_without_the_pauses_numba_is_traced(monkeypatch):
+    # The control: with the two passes unwrapped, the functions that the test above
+    # finds missing are traced, so their absence there is the pauses' doing.
+    for owner in (typed_passes.NopythonTypeInference, untyped_passes.InlineInlinables):
+        monkeypatch.setattr(owner, "run_pass", owner.run_pass.__wrapped__)
+    during, _ = _compile_traced()
+    assert TYPE_INFERENCE in during and INLINING in during
