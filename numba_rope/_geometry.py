@@ -9,10 +9,12 @@ kernels use compiled copies of the span functions (:data:`byte_span_jit`,
 
 from __future__ import annotations
 
+from numba.extending import register_jitable
+
 from numba_rope._jit import cached_njit
 
 #: The axes of a ``[batch, seq_len, num_heads, head_size]`` array in BHSD order.
-_SWAP_HEADS_AND_TOKENS = (0, 2, 1, 3)
+SWAP_HEADS_AND_TOKENS = (0, 2, 1, 3)
 
 
 def bhsd_steps(
@@ -24,9 +26,9 @@ def bhsd_steps(
     when not needed."""
     if ndim == 3:
         batch, heads, seq_len, head_size = logical_shape
-        return (batch, seq_len, heads, head_size), _SWAP_HEADS_AND_TOKENS
+        return (batch, seq_len, heads, head_size), SWAP_HEADS_AND_TOKENS
     if layout == "bshd":
-        return None, _SWAP_HEADS_AND_TOKENS
+        return None, SWAP_HEADS_AND_TOKENS
     return None, None
 
 
@@ -56,22 +58,66 @@ def bhsd_geometry(
     return tuple(shape), tuple(strides)
 
 
-def elements_distinct(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+@register_jitable  # a Python function, callable from compiled code too
+def elements_distinct(shape, strides, itemsize) -> bool:
     """Whether no two elements of an array with this shape and these strides share a
-    byte (a sufficient test: axes sorted by stride, each stride must step past
-    everything the smaller ones reach). An array that fails may still be free of
-    overlap in some exotic interleaving; such an output is refused all the same."""
-    if 0 in shape:
-        return True
+    byte (a sufficient test: axes taken by increasing stride, each stride must step
+    past everything the smaller ones reach). An array that fails may still be free of
+    overlap in some exotic interleaving; such an output is refused all the same.
+    Integers and tuples only (the kernels use its compiled copy)."""
+    for extent in shape:
+        if extent == 0:
+            return True
     reach = itemsize  # bytes covered by the axes taken so far, from one element on
-    for extent, stride in sorted(
-        ((n, abs(step)) for n, step in zip(shape, strides, strict=True) if n > 1),
-        key=lambda axis: axis[1],
-    ):
-        if stride < reach:
+    taken = 0  # bit i: axis i taken
+    for _ in range(len(shape)):
+        axis = -1  # the axis of least stride not taken yet, among those of extent > 1
+        for i in range(len(shape)):
+            if not (taken >> i) & 1 and shape[i] > 1:
+                if axis < 0 or abs(strides[i]) < abs(strides[axis]):
+                    axis = i
+        if axis < 0:
+            break
+        taken |= 1 << axis
+        if abs(strides[axis]) < reach:
             return False
-        reach = stride * (extent - 1) + reach
+        reach = abs(strides[axis]) * (shape[axis] - 1) + reach
     return True
+
+
+@register_jitable
+def token_rows_apart(a_data, a_shape, a_strides, b_data, b_shape, b_strides, itemsize) -> bool:
+    """Whether two BHSD arrays of one item size share no byte, proven by their rows,
+    where :func:`spans_meet` cannot tell (q and k views of one fused qkv buffer: their
+    spans interleave). Both arrays need contiguous rows of one head size, and the same
+    batch and token axes (shapes and strides); then either each holds a token's heads
+    as one run of bytes (heads one after the other: ``bshd`` and 3-D tensors), or both
+    have the same heads axis too and a run is one head's row. The two arrays' runs at
+    one index lie in one block, from the first run's start to the last run's end; when
+    the blocks of different indices share no byte, the arrays meet exactly where the
+    runs at one index do. False when it cannot tell."""
+    row = a_shape[3] * itemsize
+    if (
+        a_shape[3] != b_shape[3]
+        or (a_shape[3] > 1 and (a_strides[3] != itemsize or b_strides[3] != itemsize))
+        or a_shape[0] != b_shape[0]
+        or a_shape[2] != b_shape[2]
+        or (a_shape[0] > 1 and a_strides[0] != b_strides[0])
+        or (a_shape[2] > 1 and a_strides[2] != b_strides[2])
+    ):
+        return False
+    if (a_shape[1] == 1 or a_strides[1] == row) and (b_shape[1] == 1 or b_strides[1] == row):
+        a_run, b_run, heads, head_step = a_shape[1] * row, b_shape[1] * row, 1, 0
+    elif a_shape[1] == b_shape[1] and a_strides[1] == b_strides[1]:
+        a_run, b_run, heads, head_step = row, row, a_shape[1], a_strides[1]
+    else:
+        return False
+    if a_data < b_data + b_run and b_data < a_data + a_run:
+        return False  # the runs at one index meet
+    block = max(a_data + a_run, b_data + b_run) - min(a_data, b_data)
+    return elements_distinct(
+        (a_shape[0], heads, a_shape[2]), (a_strides[0], head_step, a_strides[2]), block
+    )
 
 
 def byte_span(data, shape, strides, itemsize):

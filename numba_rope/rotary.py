@@ -131,28 +131,30 @@ def rotary_embedding(
     key = None
     if type(input) is np.ndarray and (check_position_ids is True or check_position_ids is False):
         if (
-            position_offset is None
-            and num_heads is None
-            and type(cos_cache) is np.ndarray
+            type(cos_cache) is np.ndarray
             and (position_ids is None or type(position_ids) is np.ndarray)
             and (interleaved is False or interleaved is True)
             and (inverse is False or inverse is True)
             and type(rotary_embedding_dim) is int
             and type(layout) is str
-            and layout == "bhsd"  # the only layout with compiled plans
+            and (num_heads is None or type(num_heads) is int)
         ):
             # A small call repeated: its compiled plan, found by cpu_backend.fast_key.
             host: Any = input  # a NumPy array (ArrayT does not narrow)
             fast_key = (
                 host.shape, host.dtype, cos_cache.dtype,
                 None if position_ids is None else position_ids.dtype,
-                interleaved, rotary_embedding_dim, layout, inverse, out is input,
+                interleaved, rotary_embedding_dim, layout, inverse, out is input, num_heads,
+                None if position_offset is None
+                else position_offset.dtype if type(position_offset) is np.ndarray
+                else type(position_offset),
             )  # fmt: skip
             fast = cpu_backend.FAST.get(fast_key)
             if fast is not None:
                 result = cpu_backend.run_fast(
-                    fast, input, None, cos_cache, sin_cache, position_ids, out, None
-                )
+                    fast, input, None, cos_cache, sin_cache, position_ids, out, None,
+                    position_offset,
+                )  # fmt: skip
                 if result is not None:
                     return result
         # A NumPy call whose signature was validated before runs its plan directly.
@@ -306,9 +308,14 @@ def _rotate(
         call, inputs, outs, cos_cache, sin_cache, position_ids, position_offset, check
     )
     if key is not None and backend is cpu_backend and key not in cpu_backend.PLANS:
-        interleaved, rotary_dim, layout, _, _, inverse = options
+        interleaved, rotary_dim, layout, num_heads, num_kv_heads, inverse = options
         plan = cpu_backend.make_plan(
-            call, inputs, cos_cache, position_ids, (interleaved, rotary_dim, layout, inverse)
+            call,
+            inputs,
+            cos_cache,
+            position_ids,
+            (interleaved, rotary_dim, layout, inverse, num_heads, num_kv_heads),
+            position_offset,
         )
         cpu_backend.remember_plan(key, plan)
     return results
@@ -378,16 +385,14 @@ position_offset, inverse, stream, check_position_ids
         and (check_position_ids is True or check_position_ids is False)
     ):
         if (
-            position_offset is None
-            and num_heads is None
-            and num_kv_heads is None
-            and type(cos_cache) is np.ndarray
+            type(cos_cache) is np.ndarray
             and (position_ids is None or type(position_ids) is np.ndarray)
             and (interleaved is False or interleaved is True)
             and (inverse is False or inverse is True)
             and type(rotary_embedding_dim) is int
             and type(layout) is str
-            and layout == "bhsd"  # the only layout with compiled plans
+            and (num_heads is None or type(num_heads) is int)
+            and (num_kv_heads is None or type(num_kv_heads) is int)
         ):
             # A small call repeated: its compiled plan, found by cpu_backend.fast_key.
             host_q: Any = q  # NumPy arrays (ArrayT does not narrow)
@@ -395,14 +400,18 @@ position_offset, inverse, stream, check_position_ids
             fast_key = (
                 host_q.shape, host_q.dtype, cos_cache.dtype,
                 None if position_ids is None else position_ids.dtype,
-                interleaved, rotary_embedding_dim, layout, inverse, out_q is q,
-                host_k.shape, out_k is k,
+                interleaved, rotary_embedding_dim, layout, inverse, out_q is q, num_heads,
+                None if position_offset is None
+                else position_offset.dtype if type(position_offset) is np.ndarray
+                else type(position_offset),
+                host_k.shape, out_k is k, num_kv_heads,
             )  # fmt: skip
             fast = cpu_backend.FAST.get(fast_key)
             if fast is not None:
                 results = cpu_backend.run_fast(
-                    fast, q, k, cos_cache, sin_cache, position_ids, out_q, out_k
-                )
+                    fast, q, k, cos_cache, sin_cache, position_ids, out_q, out_k,
+                    position_offset,
+                )  # fmt: skip
                 if results is not None:
                     return results
         key = cpu_backend.plan_key(

@@ -330,6 +330,9 @@ def test_compiled_plan_leaves_other_calls_to_the_general_path(rng, fast_runs):
     wide = np.zeros((*x.shape[:-1], 32), np.float32)
     wide[..., ::2] = x
     transposed = np.empty((2, 4, 3, 16), np.float32).transpose(0, 2, 1, 3)  # rows contiguous
+    self_overlapping = np.lib.stride_tricks.as_strided(  # elements 0 and 1 share bytes
+        np.empty(x.size, np.float32), x.shape, (0, *x.strides[1:])
+    )
     cos_wide = np.zeros((10, 16), np.float32)
     cos_wide[:, ::2] = cos
     calls = {
@@ -337,8 +340,8 @@ def test_compiled_plan_leaves_other_calls_to_the_general_path(rng, fast_runs):
         "read-only out": lambda: numba_rope.rotary_embedding(x, cos, sin, ids, out=frozen),
         "out one element off the input": one_element_off,
         "strided rows": lambda: numba_rope.rotary_embedding(wide[..., ::2], cos, sin, ids),
-        "out not C-contiguous": lambda: numba_rope.rotary_embedding(
-            x, cos, sin, ids, out=transposed
+        "out overlapping itself": lambda: numba_rope.rotary_embedding(
+            x, cos, sin, ids, out=self_overlapping
         ),
         "strided cache rows": lambda: numba_rope.rotary_embedding(
             x, cos_wide[:, ::2], sin, ids, out=out
@@ -379,6 +382,13 @@ def test_compiled_plan_leaves_other_calls_to_the_general_path(rng, fast_runs):
         assert with_plan[name] == _outcome(call), name
     assert with_plan["bad ids"][0] is IndexError
     assert with_plan["read-only out"][0] is ValueError
+    assert with_plan["out overlapping itself"][0] is ValueError
+    # An out of other strides whose elements are apart is the plan's call, though.
+    _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids, out=out))
+    ran = fast_runs["one"][0]
+    assert numba_rope.rotary_embedding(x, cos, sin, ids, out=transposed) is transposed
+    assert fast_runs["one"][0] == ran + 1
+    assert_bitwise_equal(transposed, float32_contract(x, cos, sin, ids))
 
 
 def test_compiled_plan_writes_nothing_when_it_refuses(rng):
@@ -412,16 +422,181 @@ def test_compiled_plans_are_forgotten_when_a_constant_changes(rng, monkeypatch, 
     assert_bitwise_equal(got, float32_contract(x, cos, sin, ids))
 
 
-def test_compiled_plans_only_for_small_bhsd_calls(rng, monkeypatch):
+def test_compiled_plans_only_for_calls_the_calling_thread_runs(rng, monkeypatch):
     x, cos, sin, ids = make_case(rng, (1, 2, 3, 8), np.float32, n_positions=12)
-    x_bshd = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
-    _repeat(lambda: numba_rope.rotary_embedding(x_bshd, cos, sin, ids, layout="bshd"))
-    _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, position_offset=2))
-    assert not cpu_backend.FAST
     monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", x.size)
     monkeypatch.setattr(numba_rope._cpu.helper, "thread_count", lambda: 1)  # serial anyway
     _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids))
     assert not cpu_backend.FAST  # at the helper's threshold: not whatever the threads
+
+
+def _heads_inside(x, form):
+    """``x`` (bhsd) as the caller of ``form`` holds it, with the keywords of the form."""
+    batch, heads, seq_len, head_size = x.shape
+    if form == "bhsd":
+        return x, {}
+    bshd = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+    if form == "bshd":
+        return bshd, {"layout": "bshd"}
+    return bshd.reshape(batch, seq_len, heads * head_size), {"num_heads": heads}
+
+
+def _as_bhsd(array, form, heads):
+    if form == "bhsd":
+        return array
+    batch, seq_len = array.shape[:2]
+    return array.reshape(batch, seq_len, heads, -1).transpose(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=[d.name for d in DTYPES])
+@pytest.mark.parametrize(
+    "form, positions",
+    [
+        ("bshd", "ids"),
+        ("3-D", "ids"),
+        ("bhsd", "offset"),
+        ("bhsd", "offsets"),
+        ("bshd", "offsets"),
+        ("3-D", "offset"),
+        ("bshd", "none"),
+    ],
+)
+def test_compiled_plans_of_every_form_give_the_contract_bits(
+    rng, fast_runs, dtype, form, positions
+):
+    # The forms of flash-attn (bshd, per-sequence offsets) and vLLM (3-D) and integer
+    # offsets: compiled plans too, each call with new values.
+    shape = (3, 4, 2, 16)
+    _, cos, sin, _ = make_case(rng, shape, dtype, position_ids=positions != "none", n_positions=9)
+    for _ in range(cpu_backend.FAST_AFTER + 3):
+        x4 = rng.standard_normal(shape).astype(dtype)
+        x, keywords = _heads_inside(x4, form)
+        ids = None
+        if positions == "ids":
+            ids = rng.integers(0, 9, (3, 2))
+            keywords["position_ids"] = ids
+        elif positions == "offset":
+            offset = int(rng.integers(0, 8))
+            keywords["position_offset"] = offset
+            ids = np.full((3, 2), offset) + np.arange(2)
+        elif positions == "offsets":
+            offsets = rng.integers(0, 8, 3)
+            keywords["position_offset"] = offsets
+            ids = offsets[:, None] + np.arange(2)
+        else:
+            cos, sin = (rng.standard_normal((3, 2, 8)).astype(dtype) for _ in range(2))
+        out = np.full_like(x, np.nan)
+        got = numba_rope.rotary_embedding(x, cos, sin, out=out, **keywords)
+        assert got is out
+        assert_bitwise_equal(_as_bhsd(got, form, 4), float32_contract(x4, cos, sin, ids))
+    assert fast_runs == {"one": [2, 0], "qk": [0, 0]}  # the last two calls, by the plan
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=[d.name for d in DTYPES])
+@pytest.mark.parametrize("form", ["vllm", "flash-attn"])
+def test_compiled_plan_of_q_and_k_in_place_in_a_fused_buffer(rng, fast_runs, dtype, form):
+    # The decode step of a serving loop: q and k are views of one qkv buffer (vLLM:
+    # [tokens, (heads + 2 kv heads) * head_size]; flash-attn: [batch, seq, 3, heads,
+    # head_size]), rotated in place. Their byte spans interleave, yet they share no
+    # byte: the kernels prove it from their token rows instead of copying.
+    heads, kv_heads, head_size, tokens = 4, 2, 16, 3
+    _, cos, sin, _ = make_case(rng, (1, 1, 1, head_size), dtype, n_positions=20)
+    for _ in range(cpu_backend.FAST_AFTER + 3):
+        positions = rng.integers(0, 20, tokens)
+        if form == "vllm":
+            qkv = rng.standard_normal((1, tokens, (heads + 2 * kv_heads) * head_size))
+            qkv = qkv.astype(dtype)
+            q = qkv[..., : heads * head_size]
+            k = qkv[..., heads * head_size : (heads + kv_heads) * head_size]
+            v = qkv[..., (heads + kv_heads) * head_size :]
+            keywords = {"position_ids": positions[None], "num_heads": heads}
+            keywords["num_kv_heads"] = kv_heads
+            q4, k4 = (_as_bhsd(a, "3-D", n) for a, n in ((q, heads), (k, kv_heads)))
+            ids = positions[None]
+        else:
+            qkv = rng.standard_normal((tokens, 1, 3, heads, head_size)).astype(dtype)
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+            keywords = {"position_offset": positions, "layout": "bshd"}
+            q4, k4 = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+            ids = positions[:, None]
+        expected_q = float32_contract(q4, cos, sin, ids)
+        expected_k = float32_contract(k4, cos, sin, ids)
+        v_before = v.copy()
+        got = numba_rope.rotary_embedding_qk(q, k, cos, sin, out_q=q, out_k=k, **keywords)
+        assert got[0] is q and got[1] is k
+        assert_bitwise_equal(q4, expected_q)
+        assert_bitwise_equal(k4, expected_k)
+        assert_bitwise_equal(v, v_before)
+    assert fast_runs == {"one": [0, 0], "qk": [2, 0]}
+
+
+def test_compiled_plan_of_offsets_leaves_other_calls_to_the_general_path(rng, fast_runs):
+    # Offsets that look like the planned ones but are not (dtype, axes, values, memory):
+    # each call gives what it gives without any plan.
+    x, cos, sin, _ = make_case(rng, (3, 2, 4, 8), np.float32, n_positions=10)
+    offsets = np.array([0, 6, 3])
+    out = np.empty_like(x)
+    _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, position_offset=offsets, out=out))
+    _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, position_offset=5, out=out))
+    assert fast_runs["one"][0] >= 2
+    frozen = offsets.copy()
+    frozen.flags.writeable = False
+    shared = np.zeros(x.size, np.float32)  # an output whose bytes hold the offsets too
+    shared_out = shared.reshape(x.shape)
+    shared_offsets = shared[2:8].view(np.int64)
+
+    def offsets_in_the_output():
+        shared_offsets[:] = offsets  # (the call before overwrote them)
+        return numba_rope.rotary_embedding(
+            x, cos, sin, position_offset=shared_offsets, out=shared_out
+        )
+
+    calls = {
+        "bad offset": lambda: numba_rope.rotary_embedding(
+            x, cos, sin, position_offset=np.array([0, 7, 3]), out=out
+        ),
+        "negative offset": lambda: numba_rope.rotary_embedding(
+            x, cos, sin, position_offset=np.array([0, -1, 3]), out=out
+        ),
+        "int32 offsets": lambda: numba_rope.rotary_embedding(
+            x, cos, sin, position_offset=offsets.astype(np.int32), out=out
+        ),
+        "uint64 beyond int64": lambda: numba_rope.rotary_embedding(
+            x, cos, sin, position_offset=np.array([0, 2**64 - 1, 3], np.uint64), out=out
+        ),
+        "strided offsets": lambda: numba_rope.rotary_embedding(
+            x, cos, sin, position_offset=np.repeat(offsets, 2)[::2], out=out
+        ),
+        "read-only offsets": lambda: numba_rope.rotary_embedding(
+            x, cos, sin, position_offset=frozen, out=out
+        ),
+        "0-d offset array": lambda: numba_rope.rotary_embedding(
+            x, cos, sin, position_offset=np.array(2), out=out
+        ),
+        "offsets of 2 axes": lambda: numba_rope.rotary_embedding(
+            x, cos, sin, position_offset=offsets[:, None], out=out
+        ),
+        "offsets in the output's bytes": offsets_in_the_output,
+        "offset beyond int64": lambda: numba_rope.rotary_embedding(
+            x, cos, sin, position_offset=2**70, out=out
+        ),
+        "offset past the caches": lambda: numba_rope.rotary_embedding(
+            x, cos, sin, position_offset=7, out=out
+        ),
+    }
+    with_plan = {name: _outcome(call) for name, call in calls.items()}
+    for name, call in calls.items():
+        cpu_backend.FAST.clear()
+        cpu_backend.PLANS.clear()
+        assert with_plan[name] == _outcome(call), name
+    for name in ("bad offset", "negative offset", "uint64 beyond int64", "offset beyond int64"):
+        assert with_plan[name][0] is IndexError, name
+    assert with_plan["offsets of 2 axes"][0] is ValueError
+    ids = offsets[:, None] + np.arange(4)
+    for name in ("int32 offsets", "strided offsets", "read-only offsets"):
+        assert with_plan[name] == [
+            (out.dtype, out.shape, float32_contract(x, cos, sin, ids).tobytes())
+        ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=[d.name for d in DTYPES])

@@ -48,7 +48,12 @@ from numba_rope._cpu.kernels import (
     planned,
 )
 from numba_rope._cpu.vector import STREAM_ALIGNMENT
-from numba_rope._geometry import bhsd_array, bhsd_steps, elements_distinct
+from numba_rope._geometry import (
+    SWAP_HEADS_AND_TOKENS,
+    bhsd_array,
+    bhsd_steps,
+    elements_distinct,
+)
 from numba_rope._jit import parallel_regions_usable, require_jit
 from numba_rope._validation import (
     INT64_MAX,
@@ -451,11 +456,12 @@ def plan_key(
 ):
     """What a call's validation depends on (shapes, dtypes, options), or None if the
     call is not one a plan can run: every array a NumPy array, the options of exact
-    types (``1`` and ``True`` hash alike but only ``True`` is valid), no offset or a
-    Python ``int`` offset (its value is checked by the kernel). ``k`` and ``out_k`` are
-    None for one tensor (``x`` is a NumPy array: the caller has checked)."""
+    types (``1`` and ``True`` hash alike but only ``True`` is valid), no offset, a
+    Python ``int`` offset or a NumPy array of offsets (their values are checked by the
+    kernel). ``k`` and ``out_k`` are None for one tensor (``x`` is a NumPy array: the
+    caller has checked)."""
     if (
-        not (offset is None or type(offset) is int)
+        not (offset is None or type(offset) is int or type(offset) is np.ndarray)
         or type(cos) is not np.ndarray
         or type(sin) is not np.ndarray
         or not (position_ids is None or type(position_ids) is np.ndarray)
@@ -483,7 +489,8 @@ def plan_key(
         layout,
         num_heads,
         inverse,
-        offset is None,
+        # None, int, or an array's shape and dtype
+        offset if offset is None else int if type(offset) is int else (offset.shape, offset.dtype),
     )
     if k is None:
         return key
@@ -509,14 +516,20 @@ def remember_plan(key: tuple, plan: Any) -> None:
 
 
 def make_plan(
-    call: Call, inputs: tuple, cos: np.ndarray, position_ids: Any, key_options: tuple = ()
+    call: Call,
+    inputs: tuple,
+    cos: np.ndarray,
+    position_ids: Any,
+    key_options: tuple = (),
+    position_offset: Any = None,
 ) -> Any:
     """A function that runs further calls of this validated signature on one thread
     with the least Python work, or None where the general path is needed anyway.
 
     The plan takes the call's arrays (``k`` and ``out_k`` None for one tensor) and its
-    ``int`` position offset (or None), and returns the output (a tuple of both for two
-    tensors), or None when the
+    position offset (None, an ``int``, or an integer array of offsets of the dtype of
+    ``position_offset``, which the kernels take as int64), and returns the output (a
+    tuple of both for two tensors), or None when the
     general path must take over: an input too large for one thread or large enough to
     stream (``config.STREAMING_MIN_BYTES``), a read-only output, an offset beyond
     int64, or a kernel status other than DONE (an output overlapping an input, a bad
@@ -524,9 +537,9 @@ def make_plan(
     from the start and raises or handles it.
 
     ``key_options``: the call's options as given (``interleaved``,
-    ``rotary_embedding_dim``, ``layout``, ``inverse``), for :func:`fast_key`. A plan of
-    ``bhsd`` tensors with position ids or none, whose calls run on the calling thread
-    alone (:func:`_fast_candidate`), gives its signature a compiled plan
+    ``rotary_embedding_dim``, ``layout``, ``inverse``, ``num_heads``, ``num_kv_heads``),
+    for :func:`fast_key`. A plan whose calls run on the calling thread alone
+    (:func:`_fast_candidate`) gives its signature a compiled plan
     (:func:`remember_fast`) after ``FAST_AFTER`` calls with contiguous rows.
     """
     # One function with a closure, not helpers: everything the plan can decide once is
@@ -536,6 +549,17 @@ def make_plan(
         position_ids is not None and position_ids.dtype not in _KERNEL_ID_DTYPES
     ):
         return None
+    if call.positions == "offset" and type(position_offset) is not int:
+        return None  # one offset as a 0-d array: the general path makes it an int64
+    offsets_given = call.positions == "offsets"
+    if offsets_given and not (
+        type(position_offset) is np.ndarray
+        and (position_offset.dtype.kind == "i" or position_offset.dtype.itemsize < 8)
+    ):
+        return None  # uint64 offsets (beyond int64?): the general path checks them
+    # Offsets the kernels can read as they are: int64 in this machine's byte order
+    # (others are converted, exactly, as the general path does).
+    offsets_as_given = offsets_given and position_offset.dtype == np.dtype(np.int64)
     two = len(inputs) == 2
     size = sum(x.size for x in inputs)
     nbytes = sum(x.nbytes for x in inputs)
@@ -546,6 +570,9 @@ def make_plan(
     layout, rotary_dim = call.layout, call.rotary_dim
     x_logical, k_logical = call.shapes[0], call.shapes[-1]
     to_bhsd = bhsd_steps(inputs[0].ndim, layout, x_logical) != (None, None)
+    # For compiled plans: the reshapes of 3-D inputs (None for 4-D), the heads as given.
+    x_split = bhsd_steps(inputs[0].ndim, layout, x_logical)[0]
+    k_split = bhsd_steps(inputs[-1].ndim, layout, k_logical)[0]
     # token_major()'s choice, from the layout (bshd and 3-D inputs hold heads inside
     # tokens) rather than from each call's strides: an order only, never the bits.
     by_token = x_logical[2] == 1 or (to_bhsd and x_logical[1] > 1)
@@ -567,7 +594,9 @@ def make_plan(
 
     distinct_strides: dict[tuple[int, ...], bool] = {}  # outputs that are not C-contiguous
     # Calls to run before remember_fast: a count in a list, which the plan can change.
-    countdown = [FAST_AFTER] if _fast_candidate(call, inputs, key_options) else [0]
+    countdown = [0]
+    if _fast_candidate(call, inputs, key_options, position_offset):
+        countdown[0] = FAST_AFTER
 
     def distinct(out) -> bool:
         found = distinct_strides.get(out.strides)
@@ -581,10 +610,18 @@ def make_plan(
         cache = cos  # as the caller passed it (cos becomes the kernels' view below)
         if size >= config.PARALLEL_MIN_ELEMENTS or nbytes >= config.STREAMING_MIN_BYTES:
             return None
-        if offset is not None:
+        positions = position_ids  # as the kernels take them
+        if offsets_given:
+            # C-contiguous and writable as well: the type of the general path's copy.
+            positions = (
+                offset
+                if offsets_as_given and offset.flags.c_contiguous and offset.flags.writeable
+                else offset.astype(np.int64)
+            )
+        elif offset is not None:
             if not INT64_MIN <= offset <= INT64_MAX:
                 return None
-            position_ids = offset  # the kernels take one offset as is
+            positions = offset  # the kernels take one offset as is
         in_place = out is x
         if out is None:
             out = empty_x(x_shape, dtype)
@@ -638,25 +675,26 @@ def make_plan(
             the_helper = helper.helper()
             runner = runners.get((contiguous, in_place, the_helper))
             if runner is None:
-                runner = the_helper.runner(options, (x_view, k_view, cos, sin, position_ids))
+                runner = the_helper.runner(options, (x_view, k_view, cos, sin, positions))
                 runners[contiguous, in_place, the_helper] = runner
             the_helper.start()
             status = relayed(
-                x_view, k_view, cos, sin, position_ids, out_view, out_k_view, rotary_dim,
+                x_view, k_view, cos, sin, positions, out_view, out_k_view, rotary_dim,
                 True, *relay_split(), the_helper.block, runner,
             )  # fmt: skip
         else:
             status = serial(
-                x_view, k_view, cos, sin, position_ids, out_view, out_k_view, rotary_dim,
+                x_view, k_view, cos, sin, positions, out_view, out_k_view, rotary_dim,
                 True, config.TOKENS_PER_TILE, 1,
             )  # fmt: skip
-            if countdown[0] and status == DONE and contiguous and offset is None:
+            if countdown[0] and status == DONE and contiguous:
                 countdown[0] -= 1
                 if not countdown[0]:
                     remember_fast(
-                        fast_key(x, k, cache, position_ids, out, out_k, *key_options),
-                        options, rotary_dim, (x, position_ids),
+                        fast_key(x, k, cache, position_ids, out, out_k, *key_options, offset),
+                        options, rotary_dim, positions,
                         (x_view, k_view, cos, sin, out_view, out_k_view),
+                        (to_bhsd, x_split, k_split),
                     )  # fmt: skip
         if status != DONE:
             return None
@@ -665,7 +703,7 @@ def make_plan(
     return plan
 
 
-# -- compiled plans: the small bhsd calls that a program makes again and again -----------
+# -- compiled plans: the small calls that a program makes again and again ----------------
 
 #: Compiled plans by :func:`fast_key`: ``(plan, dtype, cache dtype, storage, cache
 #: storage, runner)``, see :func:`run_fast`. Emptied when a tuning constant of
@@ -691,67 +729,86 @@ def fast_key(
     rotary_embedding_dim: int,
     layout: str,
     inverse: bool,
+    num_heads: int | None,
+    num_kv_heads: int | None,
+    position_offset: Any,
 ) -> tuple:
     """What a compiled plan is found by, read before any validation: the input's
     shape and dtype, the dtypes of the caches and the ids (None for none), the options
-    as given, and whether the output is the input (a kernel of its own); for two
-    tensors (q and k) also k's shape and whether ``out_k`` is k. ``rotary_embedding``
-    and ``rotary_embedding_qk`` build the same tuples inline (a function call is a
-    tenth of the call it saves)."""
+    as given, whether the output is the input (a kernel of its own), and the offset's
+    kind (None for none, ``int`` for a Python int, an array's dtype); for two tensors
+    (q and k) also k's shape, whether ``out_k`` is k and ``num_kv_heads``.
+    ``rotary_embedding`` and ``rotary_embedding_qk`` build the same tuples inline (a
+    function call is a tenth of the call it saves)."""
     key = (
         x.shape, x.dtype, cos.dtype, None if position_ids is None else position_ids.dtype,
-        interleaved, rotary_embedding_dim, layout, inverse, out is x,
+        interleaved, rotary_embedding_dim, layout, inverse, out is x, num_heads,
+        None if position_offset is None
+        else position_offset.dtype if type(position_offset) is np.ndarray
+        else type(position_offset),
     )  # fmt: skip
-    return key if k is None else (*key, k.shape, out_k is k)
+    return key if k is None else (*key, k.shape, out_k is k, num_kv_heads)
 
 
-def _fast_candidate(call: Call, inputs: tuple, key_options: tuple) -> bool:
-    """Whether calls of this validated signature may get a compiled plan: ``bhsd``
-    tensors (the layout whose input is its own BHSD view), options that
-    :func:`fast_key` can hold, position ids or none (no offset), and work that runs on
-    the calling thread whatever the thread count (below the helper's, the parallel
-    kernels' and streaming's thresholds)."""
+def _fast_candidate(call: Call, inputs: tuple, key_options: tuple, position_offset: Any) -> bool:
+    """Whether calls of this validated signature may get a compiled plan: options that
+    :func:`fast_key` can hold, positions that the compiled plan passes on as they are
+    (ids, none, a Python ``int`` offset or a 1-D array of int64 offsets), and work
+    that runs on the calling thread whatever the thread count (below the helper's, the
+    parallel kernels' and streaming's thresholds)."""
     size = sum(x.size for x in inputs)
     return (
-        len(key_options) == 4
-        and call.layout == "bhsd"
-        and call.positions in ("ids", "token")
+        len(key_options) == 6
+        and (
+            call.positions in ("ids", "token")
+            or (call.positions == "offset" and type(position_offset) is int)
+            or (
+                call.positions == "offsets"
+                and type(position_offset) is np.ndarray
+                and position_offset.dtype == np.dtype(np.int64)
+            )
+        )
         and size < config.HELPER_MIN_ELEMENTS
         and size < config.PARALLEL_MIN_ELEMENTS
         and sum(x.nbytes for x in inputs) < config.STREAMING_MIN_BYTES
     )
 
 
-def remember_fast(key: tuple, options: tuple, rotary_dim: int, arrays: tuple, views: tuple) -> None:
+def remember_fast(
+    key: tuple, options: tuple, rotary_dim: int, positions: Any, views: tuple, forms: tuple
+) -> None:
     """Give the signature of a call that its Python plan has just run (on the calling
     thread, rows contiguous) a compiled plan under ``key`` (:func:`fast_key`, which
-    holds the dtypes of the input, the caches and the ids). ``options``: its kernel
-    options; ``arrays``: the input and the ids (or None) as the caller passed them;
-    ``views``: the input, k (or None), the caches and the outputs (out_k None for
-    one tensor) as the kernels take them (16-bit formats as integers)."""
-    x, position_ids = arrays
+    holds the dtypes of the input, the caches, the ids and the offsets). ``options``:
+    its kernel options; ``positions``: as the kernels took them (ids, None, an int
+    offset or int64 offsets); ``views``: the input, k (or None), the caches and the
+    outputs (out_k None for one tensor) as the kernels take them (BHSD views, 16-bit
+    formats as integers); ``forms``: ``(to_bhsd, x_split, k_split)``, whether the
+    caller's tensors need views to be BHSD (heads inside tokens) and the reshapes of
+    3-D ones (None for 4-D, see :func:`~numba_rope._geometry.bhsd_steps`)."""
     x_view, k_view, cos_view, sin_view, out_view, out_k_view = views
-    function = helper.runner(options, (x_view, k_view, cos_view, sin_view, position_ids))
+    function = helper.runner(options, (x_view, k_view, cos_view, sin_view, positions))
     plan = np.zeros(PLAN_SLOTS, np.int64)
     plan[PLAN_RUNNER] = function.address
     plan[PLAN_ROTARY_DIM] = rotary_dim
     plan[PLAN_TILE] = config.TOKENS_PER_TILE
     for slot, array in (
         (PLAN_X, x_view), (PLAN_K, k_view), (PLAN_COS, cos_view), (PLAN_SIN, sin_view),
-        (PLAN_POSITIONS, position_ids), (PLAN_OUT, out_view), (PLAN_OUT_K, out_k_view),
+        (PLAN_POSITIONS, positions), (PLAN_OUT, out_view), (PLAN_OUT_K, out_k_view),
     ):  # fmt: skip
-        if array is not None:
+        if isinstance(array, np.ndarray):  # an int offset has no shape (ndim 0)
             plan[slot] = array.ndim
             plan[slot + 1 : slot + 1 + array.ndim] = array.shape
     if len(FAST) >= MAX_PLANS:
         FAST.clear()
-    cache_dtype = key[2]  # fast_key holds (shape, dtype, cache dtype, ...)
+    dtype, cache_dtype = key[1], key[2]  # fast_key holds (shape, dtype, cache dtype, ...)
     FAST[key] = (
         plan,
-        x.dtype,
+        dtype,
         cache_dtype,
-        storage_dtype(x.dtype),
+        storage_dtype(dtype),
         storage_dtype(cache_dtype),
+        *forms,
         function,  # kept alive with the plan that holds its address
     )
 
@@ -765,11 +822,13 @@ def run_fast(
     position_ids: Any,
     out: Any,
     out_k: Any,
+    offset: Any = None,
 ) -> Any:
     """Run a call by the compiled plan ``fast`` (found by :func:`fast_key`: the input,
-    caches and ids are of its dtypes) and return its output (a tuple of both for q and
-    k), or return None, having written nothing, when it is not that plan's call: k,
-    ``sin_cache`` or an output of another type or dtype, or whatever
+    caches, ids and offsets are of its dtypes) and return its output (a tuple of both
+    for q and k), or return None, having written nothing, when it is not that plan's
+    call: k, ``sin_cache`` or an output of another type, dtype or shape, an offset
+    beyond int64 or offsets of another number of axes, or whatever
     :func:`~numba_rope._cpu.kernels.planned` refuses. The general path then takes the
     call. ``k`` and ``out_k`` are None for one tensor.
 
@@ -777,9 +836,16 @@ def run_fast(
     then by equality (an equal dtype can be another object: ``newbyteorder("=")``,
     unpickled arrays), written out inline: a helper function would be a Python call
     per comparison on the small call's path."""
-    plan, dtype, cache_dtype, storage, cache_storage, _ = fast
+    plan, dtype, cache_dtype, storage, cache_storage, to_bhsd, x_split, k_split, _ = fast
     if type(sin) is not np.ndarray or (sin.dtype is not cache_dtype and sin.dtype != cache_dtype):
         return None
+    if offset is not None:
+        if type(offset) is int:
+            if not INT64_MIN <= offset <= INT64_MAX:
+                return None
+        elif offset.ndim != 1:  # an array of offsets (the key holds its dtype)
+            return None
+        position_ids = offset  # the kernels take offsets as positions
     if out is None:
         out = np.empty(x.shape, dtype)
     elif type(out) is not np.ndarray or (out.dtype is not dtype and out.dtype != dtype):
@@ -798,6 +864,20 @@ def run_fast(
             k_view, out_k_view = k.view(storage), out_k.view(storage)
     if cache_storage is not None:
         cos, sin = cos.view(cache_storage), sin.view(cache_storage)
+    if to_bhsd:  # heads inside tokens: the BHSD views (the plan checks their shapes)
+        if out.shape != x.shape or (k is not None and out_k.shape != k.shape):
+            return None  # (3-D outputs must have the input's shape to be reshaped)
+        if x_split is not None:
+            x_view, out_view = x_view.reshape(x_split), out_view.reshape(x_split)
+        x_view, out_view = (
+            x_view.transpose(SWAP_HEADS_AND_TOKENS),
+            out_view.transpose(SWAP_HEADS_AND_TOKENS),
+        )
+        if k is not None:
+            if k_split is not None:
+                k_view, out_k_view = k_view.reshape(k_split), out_k_view.reshape(k_split)
+            k_view = k_view.transpose(SWAP_HEADS_AND_TOKENS)
+            out_k_view = out_k_view.transpose(SWAP_HEADS_AND_TOKENS)
     status = planned(x_view, k_view, cos, sin, position_ids, out_view, out_k_view, plan)
     if status != DONE:
         return None

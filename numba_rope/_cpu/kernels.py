@@ -22,7 +22,12 @@ from numba.extending import overload
 from numba_rope._conversions import narrow_like, widen
 from numba_rope._cpu import relay
 from numba_rope._cpu.vector import row, store_fence, stream_copy, vector_pairs
-from numba_rope._geometry import byte_span_jit, spans_meet_jit
+from numba_rope._geometry import (
+    byte_span_jit,
+    elements_distinct,
+    spans_meet_jit,
+    token_rows_apart,
+)
 from numba_rope._jit import cached_cfunc, cached_njit
 from numba_rope._rotation import rotate_pair
 
@@ -387,6 +392,16 @@ def _positions_span_overload(positions):
 
 
 @cached_njit(inline="always")
+def _tensors_meet(a, a_span, b, b_span):
+    """Whether two BHSD tensors (inputs or outputs) of one item size, with these byte
+    spans, may share memory: their spans meet, and their token rows do not prove them
+    apart (:func:`~numba_rope._geometry.token_rows_apart`: views of one fused buffer)."""
+    return spans_meet_jit(a_span, b_span) and not token_rows_apart(
+        a.ctypes.data, a.shape, a.strides, b.ctypes.data, b.shape, b.strides, a.itemsize
+    )
+
+
+@cached_njit(inline="always")
 def _overlaps_own_output(x, cos, sin, positions, out):
     """Whether one tensor's output shares memory with its input (other than as the
     very same elements: rotating in place reads each element before writing it), the
@@ -396,7 +411,7 @@ def _overlaps_own_output(x, cos, sin, positions, out):
     same_elements = (x.ctypes.data == out.ctypes.data) & (x.strides == out.strides)
     if not same_elements:
         x_span = byte_span_jit(x.ctypes.data, x.shape, x.strides, x.itemsize)
-        if spans_meet_jit(x_span, out_span):
+        if _tensors_meet(x, x_span, out, out_span):
             return True
     cos_span = byte_span_jit(cos.ctypes.data, cos.shape, cos.strides, cos.itemsize)
     if spans_meet_jit(cos_span, out_span):
@@ -418,9 +433,9 @@ def _second_tensor_overlaps(x, k, cos, sin, positions, out, out_k):
     k_span = byte_span_jit(k.ctypes.data, k.shape, k.strides, k.itemsize)
     out_span = byte_span_jit(out.ctypes.data, out.shape, out.strides, out.itemsize)
     out_k_span = byte_span_jit(out_k.ctypes.data, out_k.shape, out_k.strides, out_k.itemsize)
-    if spans_meet_jit(k_span, out_span) or spans_meet_jit(x_span, out_k_span):
+    if _tensors_meet(k, k_span, out, out_span) or _tensors_meet(x, x_span, out_k, out_k_span):
         return OVERLAP
-    return OVERLAP if spans_meet_jit(out_span, out_k_span) else DONE
+    return OVERLAP if _tensors_meet(out, out_span, out_k, out_k_span) else DONE
 
 
 @cached_njit(inline="always")
@@ -697,7 +712,7 @@ NOT_PLANNED = -3
 #: Slots of a compiled plan (an int64 array, see :func:`planned`): the address of the
 #: runner (:func:`make_runner`) for the plan's kernel options, the rotary dimension, the
 #: tokens per tile, then for each array its ndim and shape (``PLAN_SHAPE_SLOTS``
-#: slots; ndim 0 for an absent one).
+#: slots; ndim 0 for an absent one or one offset).
 PLAN_RUNNER = 0
 PLAN_ROTARY_DIM = 1
 PLAN_TILE = 2
@@ -720,7 +735,7 @@ def _shape_is(array, plan, slot):  # pragma: no cover - see overload
 
 @overload(_shape_is)  # not inlined: numba's inliner loses loop variables' scope
 def _shape_is_overload(array, plan, slot):
-    if isinstance(array, types.NoneType):
+    if isinstance(array, (types.NoneType, types.Integer)):  # None, or one offset
         return lambda array, plan, slot: plan[slot] == 0
 
     def impl(array, plan, slot):
@@ -744,39 +759,30 @@ def _rows_apart_overload(array):
     return lambda array: array.strides[array.ndim - 1] == array.itemsize
 
 
-def _c_contiguous_output(out):  # pragma: no cover - see overload
-    """Whether ``out`` (or None) is a writable C-contiguous array."""
+def _distinct_output(out):  # pragma: no cover - see overload
+    """Whether ``out`` (or None) is writable, with no two elements on one byte
+    (:func:`~numba_rope._geometry.elements_distinct`)."""
     raise NotImplementedError
 
 
-@overload(_c_contiguous_output)  # not inlined, as _shape_is
-def _c_contiguous_output_overload(out):
+@overload(_distinct_output)  # not inlined, as _shape_is
+def _distinct_output_overload(out):
     if isinstance(out, types.NoneType):
         return lambda out: True
     if not out.mutable:  # a read-only output: the general path names it
         return lambda out: False
     if out.layout == "C":
         return lambda out: True
-
-    def impl(out):
-        contiguous = True
-        step = out.itemsize
-        for j in range(out.ndim):
-            i = out.ndim - 1 - j
-            contiguous = contiguous and (out.shape[i] == 1 or out.strides[i] == step)
-            step = step * out.shape[i]
-        return contiguous
-
-    return impl
+    return lambda out: elements_distinct(out.shape, out.strides, out.itemsize)
 
 
 @cached_njit()
 def planned(x, k, cos, sin, positions, out, out_k, plan):
     """Run a small call by its compiled plan: DONE, or NOT_PLANNED (nothing written)
     when the arrays are not of the plan's shapes, have rows that are not contiguous, an
-    output that is not a writable C-contiguous array, or when the call would not run
-    (an output overlapping an input, a bad position): the general path then validates
-    and runs it, raising what it must.
+    output that is read-only or whose elements may share bytes, or when the call would
+    not run (an output overlapping an input, a bad position): the general path then
+    validates and runs it, raising what it must.
 
     ``plan`` (see ``PLAN_*``) was written when a call of these dtypes and options was
     validated (the caller compares the dtypes: this function is compiled for any).
@@ -802,8 +808,8 @@ def planned(x, k, cos, sin, positions, out, out_k, plan):
         and _rows_apart(sin)
         and _rows_apart(out)
         and _rows_apart(out_k)
-        and _c_contiguous_output(out)
-        and _c_contiguous_output(out_k)
+        and _distinct_output(out)
+        and _distinct_output(out_k)
     ):
         return NOT_PLANNED
     if _checked(x, k, cos, sin, positions, out, out_k, True) != DONE:
