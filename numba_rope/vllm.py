@@ -342,32 +342,39 @@ def _rotate(
         )
     lead = len(positions_shape)
     q, num_heads = _tokens("query", query, positions_shape, head_size)
-    if isinstance(positions, np.ndarray):  # on the GPU the operator's check names ids[0, t]
-        _check_positions(positions, int(cos_sin_cache.shape[0]))
     ids = add_leading_axis(positions) if lead == 1 else positions
     options: dict[str, Any] = {
         "interleaved": not is_neox,
         "rotary_embedding_dim": rotary_dim,
         "layout": "bshd",
     }
-    if key is None:
-        result = _operator(
-            q, cos, sin, ids, num_heads=num_heads, out=q if inplace else None, **options
-        )
-        return (query, None) if inplace else (result[0] if lead == 1 else result, None)
-    k, num_kv_heads = _tokens("key", key, positions_shape, head_size)
-    result_q, result_k = rotary_embedding_qk(
-        q,
-        k,
-        cos,
-        sin,
-        ids,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        out_q=q if inplace else None,
-        out_k=k if inplace else None,
-        **options,
+    k, num_kv_heads = (
+        (None, None) if key is None else _tokens("key", key, positions_shape, head_size)
     )
+    try:
+        if key is None:
+            result = _operator(
+                q, cos, sin, ids, num_heads=num_heads, out=q if inplace else None, **options
+            )
+            return (query, None) if inplace else (result[0] if lead == 1 else result, None)
+        result_q, result_k = rotary_embedding_qk(
+            q,
+            k,
+            cos,
+            sin,
+            ids,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            out_q=q if inplace else None,
+            out_k=k if inplace else None,
+            **options,
+        )
+    except IndexError:
+        # A position outside the cache (the operator has written nothing): named as the
+        # caller indexes ``positions`` (on the GPU the operator's message, ids[0, t]).
+        if isinstance(positions, np.ndarray):
+            _check_positions(positions, int(cos_sin_cache.shape[0]))
+        raise
     if inplace:
         return query, key
     if lead == 1:
