@@ -164,20 +164,39 @@ def apply_rotary(
     _require_dims(x, 4, "x", "[batch, seqlen, nheads, headdim]", varlen_hint=True)
     rotary_dim = _rotary_dim(x, cos, sin)
     batch, seqlen = tuple(x.shape)[:2]
+    options = {
+        "interleaved": interleaved,
+        "rotary_embedding_dim": rotary_dim,
+        "layout": "bshd",
+        "inverse": conjugate,
+    }
+    if _operator_checks(x, seqlen_offsets):
+        try:
+            result = _rotate(
+                x, cos, sin, None, out=x if inplace else None, position_offset=seqlen_offsets,
+                **options,
+            )  # fmt: skip
+        except (TypeError, ValueError, IndexError):
+            _checked_offsets(seqlen_offsets, batch, np.full(batch, seqlen), _rows(cos))
+            raise
+        return x if inplace else result
     offset = _checked_offsets(seqlen_offsets, batch, np.full(batch, seqlen), _rows(cos))
     result = _rotate(
-        x,
-        cos,
-        sin,
-        None,
-        position_offset=offset,
-        interleaved=interleaved,
-        rotary_embedding_dim=rotary_dim,
-        out=x if inplace else None,
-        layout="bshd",
-        inverse=conjugate,
+        x, cos, sin, None, out=x if inplace else None, position_offset=offset, **options
     )
     return x if inplace else result
+
+
+def _operator_checks(x: Any, seqlen_offsets: Any) -> bool:
+    """Whether one call of the operator can check ``seqlen_offsets`` in place of
+    :func:`_checked_offsets`: NumPy arrays (the CPU operator checks every position
+    before it writes) and an ``int`` or an integer NumPy array of offsets (the forms
+    the operator takes as they are). :func:`_checked_offsets` then runs only to word
+    an error the operator raised, as flash-attn's names it."""
+    return type(x) is np.ndarray and (
+        type(seqlen_offsets) is int
+        or (type(seqlen_offsets) is np.ndarray and seqlen_offsets.dtype.kind in "iu")
+    )
 
 
 def _rotate(x: Any, cos: Any, sin: Any, position_ids: Any, out: Any, **options: Any) -> Any:
@@ -254,6 +273,17 @@ def apply_rotary_emb_qkv_(
     sin_k = sin if sin_k is None else sin_k
     rotary_dim_k = _rotary_dim(k, cos_k, sin_k, "cos_k", "sin_k")
     batch, seqlen = shape[0], shape[1]
+    one_pass = cos_k is cos and sin_k is sin  # q and k at once (one launch on the GPU)
+    if one_pass and _operator_checks(qkv, seqlen_offsets):
+        try:
+            rotary_embedding_qk(
+                q, k, cos, sin, rotary_embedding_dim=rotary_dim, out_q=q, out_k=k,
+                position_offset=seqlen_offsets, interleaved=interleaved, layout="bshd",
+            )  # fmt: skip
+        except (TypeError, ValueError, IndexError):
+            _checked_offsets(seqlen_offsets, batch, np.full(batch, seqlen), _rows(cos))
+            raise
+        return qkv
     offset = _checked_offsets(
         seqlen_offsets, batch, np.full(batch, seqlen), min(_rows(cos), _rows(cos_k))
     )
@@ -263,7 +293,7 @@ def apply_rotary_emb_qkv_(
         "layout": "bshd",
         "check_position_ids": False,  # checked above, on the host
     }
-    if cos_k is cos and sin_k is sin:  # one pass over q and k (one launch on the GPU)
+    if one_pass:
         rotary_embedding_qk(
             q, k, cos, sin, rotary_embedding_dim=rotary_dim, out_q=q, out_k=k, **options
         )

@@ -417,6 +417,43 @@ def test_bad_varlen_calls_raise_and_write_nothing(rng, keywords, error, words):
 
 
 @pytest.mark.parametrize(
+    ("offsets", "error", "words"),
+    [
+        (np.array([0, 6]), IndexError, ["seqlen_offsets[1] = 6", "6..8", "8 rows"]),
+        (6, IndexError, ["seqlen_offsets = 6", "8 rows"]),
+        (np.array([-1, 0]), IndexError, ["seqlen_offsets[0] = -1"]),
+        (
+            np.array([0, 2**63 + 5], np.uint64),
+            IndexError,
+            ["seqlen_offsets[1] = 9223372036854775813"],
+        ),
+        (2**70, IndexError, ["seqlen_offsets = 1180591620717411303424"]),
+        (np.array([0, 0, 0]), ValueError, ["shape [batch] = (2,)", "(3,)"]),
+        (np.array([0.0, 1.0]), TypeError, ["integers"]),
+        (1.0, TypeError, ["int or an integer array"]),
+    ],
+)
+@pytest.mark.parametrize("form", ["apply_rotary_emb", "apply_rotary_emb_qkv_"])
+def test_bad_offsets_of_batches_raise_and_write_nothing(rng, offsets, error, words, form):
+    # NumPy batches leave the offsets to the operator's own check (made before it
+    # writes); the error still names them as flash-attn's arguments.
+    cos, sin = make_cos_sin(rng, 8, 8, np.float32)
+    if form == "apply_rotary_emb":
+        x = rng.standard_normal((2, 3, 2, 8)).astype(np.float32)
+        before = x.copy()
+        with pytest.raises(error) as raised:
+            apply_rotary_emb(x, cos, sin, inplace=True, seqlen_offsets=offsets)
+    else:
+        x = rng.standard_normal((2, 3, 3, 2, 8)).astype(np.float32)
+        before = x.copy()
+        with pytest.raises(error) as raised:
+            apply_rotary_emb_qkv_(x, cos, sin, seqlen_offsets=offsets)
+    for word in words:
+        assert word in str(raised.value), str(raised.value)
+    assert_bitwise_equal(x, before)
+
+
+@pytest.mark.parametrize(
     ("x_shape", "cos_shape", "sin_shape", "keywords", "error", "words"),
     [
         (
