@@ -85,7 +85,6 @@ def elements_distinct(shape, strides, itemsize) -> bool:
     return True
 
 
-@register_jitable
 def token_rows_apart(a_data, a_shape, a_strides, b_data, b_shape, b_strides, itemsize) -> bool:
     """Whether two BHSD arrays of one item size share no byte, proven by their rows,
     where :func:`spans_meet` cannot tell (q and k views of one fused qkv buffer: their
@@ -144,6 +143,8 @@ def spans_meet(a, b):
     return a[0] < b[1] and b[0] < a[1]
 
 
-#: The same functions compiled for the CPU kernels.
+#: The same functions compiled for the CPU kernels (integers and tuples only: each is
+#: compiled once per number of axes, whatever the dtypes of a call).
 byte_span_jit = cached_njit()(byte_span)
 spans_meet_jit = cached_njit()(spans_meet)
+token_rows_apart_jit = cached_njit()(token_rows_apart)
