@@ -1,10 +1,12 @@
 """Where an array's elements lie, for both devices: the BHSD view of any accepted form,
-and the bytes an array spans (to tell whether two arrays may share memory).
+the bytes an array spans (to tell whether two arrays may share memory), and the finer
+tests where spans cannot tell (an array's own elements apart, two tensors' rows apart).
 
 Plain functions on shapes, strides and addresses: the CPU backend applies them to
 NumPy arrays, the CUDA backend to the shapes and strides of device memory, and the CPU
-kernels use compiled copies of the span functions (:data:`byte_span_jit`,
-:data:`spans_meet_jit`) in their overlap test.
+kernels use compiled copies (:data:`byte_span_jit`, :data:`spans_meet_jit`,
+:data:`token_rows_apart_jit`; :func:`elements_distinct` is callable from compiled code
+as it is) in their overlap tests.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def elements_distinct(shape, strides, itemsize) -> bool:
     byte (a sufficient test: axes taken by increasing stride, each stride must step
     past everything the smaller ones reach). An array that fails may still be free of
     overlap in some exotic interleaving; such an output is refused all the same.
-    Integers and tuples only (the kernels use its compiled copy)."""
+    Integers and tuples only: compiled code calls it too (``register_jitable``)."""
     for extent in shape:
         if extent == 0:
             return True

@@ -706,7 +706,8 @@ def make_plan(
 # -- compiled plans: the small calls that a program makes again and again ----------------
 
 #: Compiled plans by :func:`fast_key`: ``(plan, dtype, cache dtype, storage, cache
-#: storage, runner)``, see :func:`run_fast`. Emptied when a tuning constant of
+#: storage, to_bhsd, x_split, k_split, runner)``, see :func:`remember_fast` and
+#: :func:`run_fast`. Emptied when a tuning constant of
 #: ``numba_rope.config`` changes (a plan is only made for a call that runs on the
 #: calling thread under the constants of that moment).
 FAST: dict[tuple, tuple] = {}
@@ -843,8 +844,10 @@ def run_fast(
         if type(offset) is int:
             if not INT64_MIN <= offset <= INT64_MAX:
                 return None
-        elif offset.ndim != 1:  # an array of offsets (the key holds its dtype)
+        elif offset.ndim != 1:  # an array of offsets (the key holds its dtype: int64)
             return None
+        elif not (offset.flags.c_contiguous and offset.flags.writeable):
+            offset = offset.astype(np.int64)  # the arrays' type of the plan, as make_plan
         position_ids = offset  # the kernels take offsets as positions
     if out is None:
         out = np.empty(x.shape, dtype)
