@@ -14,6 +14,7 @@ versions give the same bits, and prints the medians and new / old.
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
@@ -39,6 +41,17 @@ def export_old(revision: str, folder: Path) -> None:
     for path in (folder / "numba_rope_old").rglob("*.py"):
         text = path.read_text()
         path.write_text(text.replace("numba_rope", "numba_rope_old"))
+
+
+def load_old(revision: str) -> ModuleType:
+    """``numba_rope`` at ``revision``, imported as ``numba_rope_old`` (see
+    :func:`export_old`), with its ``flash_attn`` and ``vllm`` modules."""
+    folder = Path(tempfile.mkdtemp(prefix="numba_rope_ab_"))
+    export_old(revision, folder)
+    sys.path.insert(0, str(folder))
+    for name in ("numba_rope_old", "numba_rope_old.flash_attn", "numba_rope_old.vllm"):
+        importlib.import_module(name)
+    return sys.modules["numba_rope_old"]
 
 
 def per_call(call: Callable[[], object], calls: int) -> float:
@@ -79,10 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default="seed,decode,prefill,batch_prefill,partial")
     parser.add_argument("--dtypes", default="float32,float16,bfloat16")
     args = parser.parse_args(argv)
-    folder = Path(tempfile.mkdtemp(prefix="numba_rope_ab_"))
-    export_old(args.revision, folder)
-    sys.path.insert(0, str(folder))
-    import numba_rope_old  # type: ignore[import-not-found]
+    numba_rope_old = load_old(args.revision)
 
     import numba_rope
     from numba_rope import bench

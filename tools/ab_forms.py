@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_compare import compare, export_old
+from ab_compare import compare, load_old
 
 HEADS, KV_HEADS, HEAD_SIZE = 32, 8, 128
 
@@ -100,12 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--dtypes", default="float32,float16")
     args = parser.parse_args(argv)
-    folder = Path(tempfile.mkdtemp(prefix="numba_rope_ab_"))
-    export_old(args.revision, folder)
-    sys.path.insert(0, str(folder))
-    import numba_rope_old  # type: ignore[import-not-found]
-    import numba_rope_old.flash_attn  # type: ignore[import-not-found]
-    import numba_rope_old.vllm  # type: ignore[import-not-found]
+    numba_rope_old = load_old(args.revision)
 
     import numba_rope
     import numba_rope.flash_attn
