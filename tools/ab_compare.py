@@ -73,6 +73,16 @@ def compare(old: Callable[[], object], new: Callable[[], object], reps: int) -> 
     return statistics.median(times_old), statistics.median(times_new)
 
 
+def print_row(label: str, old: Callable[[], object], new: Callable[[], object], reps: int) -> None:
+    """One line of a table: ``label``, the medians of :func:`compare` and new / old."""
+    median_old, median_new = compare(old, new, reps)
+    print(
+        f"{label} {median_old * 1e6:8.2f}us {median_new * 1e6:8.2f}us  "
+        f"{median_new / median_old:5.3f}",
+        flush=True,
+    )
+
+
 def _call(rope, name: str, case, k, out, out_k) -> Callable[[], object]:
     """One timed call of a version (``rope``): ``out=``, allocating, or q+k."""
     x, cos, sin, ids = case.input, case.cos_cache, case.sin_cache, case.position_ids
@@ -110,12 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not np.array_equal(outs[0][0].view(np.uint8), outs[1][0].view(np.uint8)):
                     print(f"{workload} {dtype} {name}: the two versions differ")
                     return 1
-                median_old, median_new = compare(old, new, args.reps)
-                print(
-                    f"{workload:14s} {dtype:9s} {name:6s} {median_old * 1e6:8.1f}us "
-                    f"{median_new * 1e6:8.1f}us  {median_new / median_old:5.3f}",
-                    flush=True,
-                )
+                print_row(f"{workload:14s} {dtype:9s} {name:6s}", old, new, args.reps)
     return 0
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_compare import compare, load_old
+from ab_compare import load_old, print_row
 
 HEADS, KV_HEADS, HEAD_SIZE = 32, 8, 128
 
@@ -114,13 +114,11 @@ def main(argv: list[str] | None = None) -> int:
             ):
                 print(f"{name} {dtype}: the two versions differ")
                 return 1
-            median_old, median_new = compare(
-                partial(call, numba_rope_old), partial(call, numba_rope), args.reps
-            )
-            print(
-                f"{name:26s} {dtype:8s} {median_old * 1e6:8.2f}us {median_new * 1e6:8.2f}us  "
-                f"{median_new / median_old:5.3f}",
-                flush=True,
+            print_row(
+                f"{name:26s} {dtype:8s}",
+                partial(call, numba_rope_old),
+                partial(call, numba_rope),
+                args.reps,
             )
     return 0
 

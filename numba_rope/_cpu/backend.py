@@ -569,9 +569,9 @@ def make_plan(
     words = takes_words(storage, cache_storage)
     layout, rotary_dim = call.layout, call.rotary_dim
     x_logical, k_logical = call.shapes[0], call.shapes[-1]
-    to_bhsd = bhsd_steps(inputs[0].ndim, layout, x_logical) != (None, None)
-    # For compiled plans: the reshapes of 3-D inputs (None for 4-D), the heads as given.
-    x_split = bhsd_steps(inputs[0].ndim, layout, x_logical)[0]
+    x_split, x_axes = bhsd_steps(inputs[0].ndim, layout, x_logical)
+    to_bhsd = (x_split, x_axes) != (None, None)
+    # For compiled plans: the reshape of a 3-D k too (None for 4-D), its heads as given.
     k_split = bhsd_steps(inputs[-1].ndim, layout, k_logical)[0]
     # token_major()'s choice, from the layout (bshd and 3-D inputs hold heads inside
     # tokens) rather than from each call's strides: an order only, never the bits.
@@ -867,7 +867,7 @@ def run_fast(
             k_view, out_k_view = k.view(storage), out_k.view(storage)
     if cache_storage is not None:
         cos, sin = cos.view(cache_storage), sin.view(cache_storage)
-    if to_bhsd:  # heads inside tokens: the BHSD views (the plan checks their shapes)
+    if to_bhsd:  # bhsd_array with its steps made once: the plan checks the shapes
         if out.shape != x.shape or (k is not None and out_k.shape != k.shape):
             return None  # (3-D outputs must have the input's shape to be reshaped)
         if x_split is not None:
