@@ -110,6 +110,9 @@ def _check_streamed_rows(rng, requested, dtype, head_size, rotary_dim, interleav
         work[...] = x
         numba_rope.rotary_embedding(work, cos, sin, ids, out=work, **options)
         assert_bitwise_equal(work, want)
+        # In place, ordinary stores: each line was just read (see backend.streaming).
+        assert _streamed(requested[-1:]) == [False]
+        del requested[-1]
     k = rng.standard_normal((2, 1, 5, head_size)).astype(dtype)
     got_q, got_k = numba_rope.rotary_embedding_qk(
         x, k, cos, sin, ids, out_q=aligned(shape, dtype), out_k=aligned(k.shape, dtype), **options
@@ -167,6 +170,8 @@ def test_what_streams(monkeypatch):
     assert not cpu_backend.streaming(2, True, big)  # channels past rotary_dim 8 bytes in
     assert not cpu_backend.streaming(64, False, big[:, :1, :2])  # 512 bytes: too small
     assert cpu_backend.streaming(64, False, big[:, :1, :2], big)  # q and k count together
+    assert not cpu_backend.streaming(64, False, big, in_place=cpu_backend.FIRST_IN_PLACE)
+    assert not cpu_backend.streaming(64, False, big, big, in_place=cpu_backend.SECOND_IN_PLACE)
     assert not cpu_backend.streaming(2, False, big)  # second half 4 bytes in
     assert not cpu_backend.streaming(64, False, aligned((1, 4, 8, 64), np.float32, offset=4))
     assert not cpu_backend.streaming(64, False, aligned((1, 4, 8, 64), np.float64))

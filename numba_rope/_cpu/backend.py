@@ -264,13 +264,20 @@ def kernels(
     return found
 
 
-def streaming(rotary_dim: int, interleaved: bool, *outs) -> bool:
+def streaming(rotary_dim: int, interleaved: bool, *outs, in_place: int = 0) -> bool:
     """Whether the kernels write these outputs (storage views, BHSD) with non-temporal
-    stores: outputs of at least ``config.STREAMING_MIN_BYTES`` together, float32 or
-    16-bit elements, and every row starting on ``STREAM_ALIGNMENT`` bytes, so do its
-    channels past ``rotary_dim`` and, for non-interleaved pairs, its second half
-    (which the streaming intrinsics of :mod:`numba_rope._cpu.vector` need)."""
-    if sum(out.nbytes for out in outs) < config.STREAMING_MIN_BYTES:
+    stores: outputs of at least ``config.STREAMING_MIN_BYTES`` together, none of them
+    its input (``in_place`` 0), float32 or 16-bit elements, and every row starting on
+    ``STREAM_ALIGNMENT`` bytes, so do its channels past ``rotary_dim`` and, for
+    non-interleaved pairs, its second half (which the streaming intrinsics of
+    :mod:`numba_rope._cpu.vector` need).
+
+    Not in place: a non-temporal store is for a line the cache does not hold, and in
+    place every line was just read. A 64 MiB prefill rotated in place took 2.8x
+    (float32) and 5.2x (float16) the time with non-temporal stores on the Zen 4 VM
+    (one process; see docs/performance.md): vLLM's op and flash-attn's ``inplace``
+    calls."""
+    if in_place or sum(out.nbytes for out in outs) < config.STREAMING_MIN_BYTES:
         return False
     offset = rotary_dim if interleaved else rotary_dim // 2  # of the last aligned part
     for out in outs:
@@ -407,7 +414,7 @@ def launch(views: tuple, args: tuple, call: Call, check_overlap=True, in_place: 
     size = sum(v.size for v, _ in views)
     cos, sin = packed_caches(cos, sin, size, sum(v.nbytes for v, _ in views))
     contiguous, words = row_format(*(a for pair in views for a in pair), cos, sin)
-    stream = streaming(call.rotary_dim, call.interleaved, *(o for _, o in views))
+    stream = streaming(call.rotary_dim, call.interleaved, *(o for _, o in views), in_place=in_place)
     batch, _, seq_len, _ = x.shape
     by_token = contiguous and token_major(x)
     options = (call.interleaved, call.inverse, contiguous, in_place, words, stream, by_token)
