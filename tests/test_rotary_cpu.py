@@ -166,16 +166,56 @@ def test_which_caches_are_packed(monkeypatch):
     monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 1000)
     cos, sin = _broadcast_caches(2, 8, 4, np.float32)  # 2 x 256 bytes
     packed = cpu_backend.packed_caches(cos, sin, 1000, 2048)
-    assert all(p.flags.c_contiguous for p in packed)
     assert_bitwise_equal(packed[0], cos)
     assert_bitwise_equal(packed[1], sin)
+    # One buffer: row p of a sequence holds cos row p, then sin row p.
+    row = 4 * cos.itemsize
+    assert packed[0].strides == packed[1].strides == (8 * 2 * row, 2 * row, cos.itemsize)
+    assert packed[1].ctypes.data - packed[0].ctypes.data == row
+    assert packed[0].base is packed[1].base and packed[0].base.flags.c_contiguous
     # Not for small calls, nor for caches more than a quarter of the input's bytes
-    # (each row would serve few heads), nor when they already are C-contiguous.
+    # (each row would serve few heads), nor when their rows are dense already.
     assert cpu_backend.packed_caches(cos, sin, 999, 2048) == (cos, sin)
     assert cpu_backend.packed_caches(cos, sin, 1000, 2047)[0] is cos
     contiguous = (np.ascontiguousarray(cos), np.ascontiguousarray(sin))
-    packed = cpu_backend.packed_caches(*contiguous, 1000, 2048)
-    assert packed[0] is contiguous[0] and packed[1] is contiguous[1]
+    kept = cpu_backend.packed_caches(*contiguous, 1000, 2048)
+    assert kept[0] is contiguous[0] and kept[1] is contiguous[1]
+    assert cpu_backend.packed_caches(*packed, 1000, 2048) == packed
+
+
+def _dense(cos, sin):
+    from numba_rope._cpu import backend as cpu_backend
+
+    return cpu_backend.rows_dense(cos, sin)
+
+
+def test_which_cache_rows_are_dense():
+    # Dense: each sequence's rows next to each other, so a head reads them as one or
+    # two streams. Checked against the addresses the rows start at.
+    both = np.zeros((6, 2, 4), np.float32)  # vLLM's cos_sin_cache: cos half, sin half
+    flat = both.reshape(6, 8)
+    assert _dense(flat[:, :4], flat[:, 4:]) and _dense(flat[:, 4:], flat[:, :4])
+    assert _dense(np.zeros((6, 4), np.float32), np.ones((6, 4), np.float32))
+    per_token = np.zeros((3, 5, 2, 4), np.float32)
+    assert _dense(per_token[:, :, 0], per_token[:, :, 1])
+    one_row = np.zeros((1, 5, 4), np.float32)  # broadcast over the batch: the same rows
+    assert _dense(np.broadcast_to(one_row, (3, 5, 4)), np.broadcast_to(one_row + 1, (3, 5, 4)))
+    assert _dense(np.zeros((3, 1, 4), np.float32), np.zeros((3, 1, 4), np.float32))
+    # Not dense: rows with holes (transformers' cat(cos, cos) cut in half), every other
+    # row, cos and sin of one buffer that are not each other's halves, rows a power of
+    # two apart (broadcast positions), reversed rows, strided channels, unequal strides.
+    duplicated = np.zeros((6, 8), np.float32)
+    assert not _dense(duplicated[:, :4], np.zeros((6, 8), np.float32)[:, :4])
+    assert not _dense(flat[::2, :4], flat[::2, 4:])
+    wide = np.zeros((6, 16), np.float32)
+    assert not _dense(wide[:, :4], wide[:, 8:12])
+    assert not _dense(*_broadcast_caches(2, 8, 4, np.float32))
+    contiguous = np.zeros((6, 4), np.float32)
+    assert not _dense(contiguous[::-1], contiguous[::-1])
+    assert not _dense(duplicated[:, ::2], duplicated[:, 1::2])
+    assert not _dense(contiguous, flat[:, :4])
+    gaps = np.zeros((3, 6, 4), np.float32)[:, :5]  # sequences one row apart
+    assert not _dense(gaps, gaps)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -356,10 +356,12 @@ def token_major(x: np.ndarray) -> bool:
 
 
 def packed_caches(cos, sin, size: int, nbytes: int) -> tuple:
-    """The caches of a call with ``size`` input elements of ``nbytes`` bytes, as
-    C-contiguous copies when they are not and the call is large
-    (``config.PARALLEL_MIN_ELEMENTS``) and they are small beside it (together at most
-    a quarter of the input's bytes, so each row serves several heads).
+    """The caches of a call with ``size`` input elements of ``nbytes`` bytes, copied
+    into one buffer whose row ``p`` holds cos row ``p`` then sin row ``p`` (returned
+    as two views of it) when their rows are not dense already (:func:`rows_dense`),
+    the call is large (``config.PARALLEL_MIN_ELEMENTS``) and they are small beside it
+    (together at most a quarter of the input's bytes, so each row serves several
+    heads).
 
     A unit of work reuses its tile's cos/sin rows for every head. Caches computed from
     broadcast positions (``np.cos(positions[..., None] * frequencies)`` with positions
@@ -370,10 +372,47 @@ def packed_caches(cos, sin, size: int, nbytes: int) -> tuple:
     18.4 ms in float32 (one process; with C-contiguous caches 6.1-7.4 and 12.9-14.5
     ms). Copying the caches costs at most a quarter of a copy of the input, and
     changes no result.
+
+    One buffer rather than two C-contiguous copies: a head then reads one stream of
+    cache rows rather than two, which a `bhsd` prefill reads faster (float16 0.80-0.95x
+    the time in one process, float32 0.88-0.99x, see docs/performance.md). Caches
+    already in that form (vLLM's ``cos_sin_cache`` split in halves) are used as they
+    are: copied, a vLLM prefill took 1.09-1.12x the time.
     """
     if size < config.PARALLEL_MIN_ELEMENTS or 4 * (cos.nbytes + sin.nbytes) > nbytes:
         return cos, sin
-    return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
+    if rows_dense(cos, sin):
+        return cos, sin
+    both = np.empty((*cos.shape[:-1], 2, cos.shape[-1]), cos.dtype)
+    both[..., 0, :] = cos
+    both[..., 1, :] = sin
+    return both[..., 0, :], both[..., 1, :]
+
+
+def rows_dense(cos, sin) -> bool:
+    """Whether a sequence's consecutive cache rows lie next to each other in memory:
+    each cache C-contiguous, or both in one buffer whose row ``p`` holds cos row ``p``
+    and sin row ``p`` (in either order), and per-token caches' sequences one after the
+    other or all the same rows (a batch axis of stride 0). Rows a power of two apart,
+    or with holes (transformers' ``cat(cos, cos)`` rows cut in half), are not.
+
+    >>> both = np.zeros((16, 2, 4), np.float32)   # rows of cos then sin
+    >>> rows_dense(both[:, 0], both[:, 1]), rows_dense(both[::2, 0], both[::2, 1])
+    (True, False)
+    """
+    itemsize = cos.itemsize
+    row = cos.shape[-1] * itemsize
+    if cos.shape != sin.shape or cos.strides != sin.strides:
+        return False
+    if cos.shape[-1] > 1 and cos.strides[-1] != itemsize:
+        return False
+    step = row
+    if cos.shape[-2] > 1:
+        step = cos.strides[-2]
+        gap = abs(sin.__array_interface__["data"][0] - cos.__array_interface__["data"][0])
+        if step != row and not (step == 2 * row and gap == row):
+            return False
+    return cos.ndim == 2 or cos.shape[0] == 1 or cos.strides[0] in (0, cos.shape[1] * step)
 
 
 def _run_parallel(kernel, args: tuple) -> int:
