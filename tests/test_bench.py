@@ -307,6 +307,7 @@ def test_bench_quick_writes_json_with_every_field(quick_report):
             "x.copy() (allocating, 1 thread)",
             "numba_rope",
             "numba_rope (allocating)",
+            "numba_rope (in place)",
             "numpy (spec formula, complex64)",
         ):
             row = rows[(dtype, name)]

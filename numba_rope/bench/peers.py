@@ -189,6 +189,25 @@ def _numba_rope_alloc(case: Case, tgt: Any, threads: int) -> Prepared:
     return Prepared(call, lambda: tgt.to_host(last[0]))
 
 
+def _numba_rope_in_place(case: Case, tgt: Any, threads: int) -> Prepared:
+    """Rotated in place (``out=x``: the form of vLLM's op and of flash-attn's
+    ``inplace=True``). The first call (compiling) is undone by copying the input back,
+    so that the checked output is one rotation of it; the timed calls rotate it further
+    by the same angles, as a serving loop rotates each new step's tensor."""
+    _, cos, sin, ids = _device_arguments(case, tgt)
+    x = tgt.put(case.input.copy())  # on the host, put() is the array itself
+    options = case.options
+
+    def call():
+        numba_rope.rotary_embedding(x, cos, sin, ids, out=x, **options)
+        tgt.synchronize()
+
+    _first_call(call, tgt)
+    tgt.copy(tgt.put(case.input), x)
+    tgt.synchronize()
+    return Prepared(call, lambda: tgt.to_host(x))
+
+
 def _first_call(call: Callable[[], object], tgt: Any) -> None:
     """Run once (compiling); a device the library does not accept yet is n/a, not FAILED."""
     try:
@@ -324,6 +343,7 @@ def implementations(device: str, threads: int) -> list[Implementation]:
     found += [
         Implementation("numba_rope", "rope", _numba_rope_out),
         Implementation("numba_rope (allocating)", "rope", _numba_rope_alloc),
+        Implementation("numba_rope (in place)", "rope", _numba_rope_in_place),
     ]
     if device == "cpu":
         found += [
