@@ -273,10 +273,10 @@ def streaming(rotary_dim: int, interleaved: bool, *outs, in_place: int = 0) -> b
     :mod:`numba_rope._cpu.vector` need).
 
     Not in place: a non-temporal store is for a line the cache does not hold, and in
-    place every line was just read. A 64 MiB prefill rotated in place took 2.8x
-    (float32) and 5.2x (float16) the time with non-temporal stores on the Zen 4 VM
-    (one process; see docs/performance.md): vLLM's op and flash-attn's ``inplace``
-    calls."""
+    place every line was just read. A (1, 4096, 4096) prefill rotated in place took
+    2.8x (float32) and 5.2x (float16) the time with non-temporal stores on the Zen 4
+    VM (one process; docs/performance.md, "Seventh session"): the form of vLLM's op
+    and of flash-attn's ``inplace`` calls."""
     if in_place or sum(out.nbytes for out in outs) < config.STREAMING_MIN_BYTES:
         return False
     offset = rotary_dim if interleaved else rotary_dim // 2  # of the last aligned part
@@ -374,10 +374,11 @@ def packed_caches(cos, sin, size: int, nbytes: int) -> tuple:
     changes no result.
 
     One buffer rather than two C-contiguous copies: a head then reads one stream of
-    cache rows rather than two, which a `bhsd` prefill reads faster (float16 0.80-0.95x
-    the time in one process, float32 0.88-0.99x, see docs/performance.md). Caches
-    already in that form (vLLM's ``cos_sin_cache`` split in halves) are used as they
-    are: copied, a vLLM prefill took 1.09-1.12x the time.
+    cache rows rather than two, which large ``bhsd`` calls read faster (0.82-1.01x the
+    time of two C-contiguous caches in one process; docs/performance.md, "Seventh
+    session"). Caches already in that form (vLLM's ``cos_sin_cache`` split in halves)
+    are used as they are: copied, vLLM's op on a 4096-token prefill took 1.05-1.15x
+    the time.
     """
     if size < config.PARALLEL_MIN_ELEMENTS or 4 * (cos.nbytes + sin.nbytes) > nbytes:
         return cos, sin
