@@ -110,9 +110,13 @@ def _check_streamed_rows(rng, requested, dtype, head_size, rotary_dim, interleav
         work[...] = x
         numba_rope.rotary_embedding(work, cos, sin, ids, out=work, **options)
         assert_bitwise_equal(work, want)
-        # In place, ordinary stores: each line was just read (see backend.streaming).
-        assert _streamed(requested[-1:]) == [False]
-        del requested[-1]
+        # In place, ordinary stores: each line was just read (see backend.streaming);
+        # also through another view of the same elements.
+        work[...] = x
+        numba_rope.rotary_embedding(work[...], cos, sin, ids, out=work, **options)
+        assert_bitwise_equal(work, want)
+        assert _streamed(requested[-2:]) == [False, False]
+        del requested[-2:]
     k = rng.standard_normal((2, 1, 5, head_size)).astype(dtype)
     got_q, got_k = numba_rope.rotary_embedding_qk(
         x, k, cos, sin, ids, out_q=aligned(shape, dtype), out_k=aligned(k.shape, dtype), **options
@@ -170,8 +174,14 @@ def test_what_streams(monkeypatch):
     assert not cpu_backend.streaming(2, True, big)  # channels past rotary_dim 8 bytes in
     assert not cpu_backend.streaming(64, False, big[:, :1, :2])  # 512 bytes: too small
     assert cpu_backend.streaming(64, False, big[:, :1, :2], big)  # q and k count together
-    assert not cpu_backend.streaming(64, False, big, in_place=cpu_backend.FIRST_IN_PLACE)
-    assert not cpu_backend.streaming(64, False, big, big, in_place=cpu_backend.SECOND_IN_PLACE)
+    # Not in place: an output that is its input's elements, as the same array or another
+    # view of them; an input elsewhere (or over other elements of the buffer) streams.
+    assert not cpu_backend.streaming(64, False, big, inputs=(big,))
+    assert not cpu_backend.streaming(64, False, big, inputs=(big[...],))
+    other = aligned(big.shape, np.float32)
+    assert not cpu_backend.streaming(64, False, other, big, inputs=(other.copy(), big[...]))
+    assert cpu_backend.streaming(64, False, big, inputs=(other,))
+    assert cpu_backend.streaming(64, False, big[:, :2], inputs=(big[:, 2:],))
     assert not cpu_backend.streaming(2, False, big)  # second half 4 bytes in
     assert not cpu_backend.streaming(64, False, aligned((1, 4, 8, 64), np.float32, offset=4))
     assert not cpu_backend.streaming(64, False, aligned((1, 4, 8, 64), np.float64))

@@ -264,20 +264,23 @@ def kernels(
     return found
 
 
-def streaming(rotary_dim: int, interleaved: bool, *outs, in_place: int = 0) -> bool:
+def streaming(rotary_dim: int, interleaved: bool, *outs, inputs: tuple = ()) -> bool:
     """Whether the kernels write these outputs (storage views, BHSD) with non-temporal
     stores: outputs of at least ``config.STREAMING_MIN_BYTES`` together, none of them
-    its input (``in_place`` 0), float32 or 16-bit elements, and every row starting on
-    ``STREAM_ALIGNMENT`` bytes, so do its channels past ``rotary_dim`` and, for
-    non-interleaved pairs, its second half (which the streaming intrinsics of
-    :mod:`numba_rope._cpu.vector` need).
+    the very elements of its input (``inputs``, in the order of ``outs``; in place,
+    whether through the same array or another view of its memory), float32 or 16-bit
+    elements, and every row starting on ``STREAM_ALIGNMENT`` bytes, so do its channels
+    past ``rotary_dim`` and, for non-interleaved pairs, its second half (which the
+    streaming intrinsics of :mod:`numba_rope._cpu.vector` need).
 
     Not in place: a non-temporal store is for a line the cache does not hold, and in
     place every line was just read. A (1, 4096, 4096) prefill rotated in place took
     2.8x (float32) and 5.2x (float16) the time with non-temporal stores on the Zen 4
     VM (one process; docs/performance.md, "Seventh session"): the form of vLLM's op
     and of flash-attn's ``inplace`` calls."""
-    if in_place or sum(out.nbytes for out in outs) < config.STREAMING_MIN_BYTES:
+    if sum(out.nbytes for out in outs) < config.STREAMING_MIN_BYTES:
+        return False
+    if any(_same_elements(x, out) for x, out in zip(inputs, outs, strict=False)):
         return False
     offset = rotary_dim if interleaved else rotary_dim // 2  # of the last aligned part
     for out in outs:
@@ -454,7 +457,9 @@ def launch(views: tuple, args: tuple, call: Call, check_overlap=True, in_place: 
     size = sum(v.size for v, _ in views)
     cos, sin = packed_caches(cos, sin, size, sum(v.nbytes for v, _ in views))
     contiguous, words = row_format(*(a for pair in views for a in pair), cos, sin)
-    stream = streaming(call.rotary_dim, call.interleaved, *(o for _, o in views), in_place=in_place)
+    stream = streaming(
+        call.rotary_dim, call.interleaved, *(o for _, o in views), inputs=tuple(x for x, _ in views)
+    )
     batch, _, seq_len, _ = x.shape
     by_token = contiguous and token_major(x)
     options = (call.interleaved, call.inverse, contiguous, in_place, words, stream, by_token)
