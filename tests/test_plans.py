@@ -232,6 +232,48 @@ def test_qk_with_one_of_q_and_k_in_place(rng, monkeypatch, which, parallel):
     assert requested and set(requested) == {flags[which]}
 
 
+@pytest.mark.parametrize("form", ["x[...]", "buffer[i] twice", "read-only input", "k of q and k"])
+def test_in_place_through_another_view_runs_the_in_place_kernels(rng, monkeypatch, form):
+    # An output that is another array over the input's very elements (the same address,
+    # shape and strides): the general path runs the in-place kernels, given the output
+    # as the input (it is writable; the input need not be). The two-pointer kernels
+    # give the same bits there, but their vector loops test the pointers for overlap
+    # and take the scalar code. Channels past rotary_dim and the buffer's other entries
+    # stay as they were.
+    requested = []
+    kernels = cpu_backend.kernels
+
+    def recording(*args):
+        requested.append(args[3])
+        return kernels(*args)
+
+    monkeypatch.setattr(cpu_backend, "kernels", recording)
+    _, cos, sin, ids = make_case(rng, (2, 4, 3, 16), np.float16, rotary_dim=8)
+    buffer = rng.standard_normal((3, 2, 4, 3, 16)).astype(np.float16)
+    before = buffer.copy()
+    x, out = buffer[1], buffer[1]  # two view objects of one memory
+    if form == "x[...]":
+        out = x[...]
+    elif form == "read-only input":
+        x.flags.writeable = False
+    expected = float32_contract(before[1], cos, sin, ids, rotary_embedding_dim=8)
+    if form == "k of q and k":
+        q = rng.standard_normal((2, 4, 3, 16)).astype(np.float16)
+        out_q = np.empty_like(q)
+        numba_rope.rotary_embedding_qk(
+            q, x, cos, sin, ids, out_q=out_q, out_k=out, rotary_embedding_dim=8
+        )
+        assert_bitwise_equal(out_q, float32_contract(q, cos, sin, ids, rotary_embedding_dim=8))
+        flag = cpu_kernels.SECOND_IN_PLACE
+    else:
+        result = numba_rope.rotary_embedding(x, cos, sin, ids, out=out, rotary_embedding_dim=8)
+        assert result is out
+        flag = cpu_kernels.FIRST_IN_PLACE
+    assert_bitwise_equal(buffer[1], expected)
+    assert np.array_equal(buffer[[0, 2]], before[[0, 2]])
+    assert requested == [flag]
+
+
 # -- compiled plans ----------------------------------------------------------------------
 
 
