@@ -449,6 +449,29 @@ def test_busy_loop_spins_only_inside_its_block():
         assert nothing is None
 
 
+def test_each_implementation_is_timed_after_settling(monkeypatch):
+    # The calling thread copies on its own before each implementation, so that the
+    # worker threads of the one before (onnxruntime's pool, OpenMP's, numba_rope's
+    # helper) have stopped spinning when it is timed.
+    events = []
+    real_measure = runner.measure
+    monkeypatch.setattr(runner, "settle", lambda seconds: events.append(("settle", seconds)))
+
+    def measure(implementation, *args, **kwargs):
+        events.append(("measure", implementation.name))
+        return real_measure(implementation, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "measure", measure)
+    settings = bench.Settings.quick(workloads=["seed"], dtypes=["float32"], settle_seconds=0.002)
+    report = bench.run(settings, progress=None)
+    threads = report.settings["threads"]
+    names = [implementation.name for implementation in bench.implementations("cpu", threads)]
+    assert events == [event for name in names for event in (("settle", 0.002), ("measure", name))]
+    assert "each after 2 ms of settling" in bench.format_table(report).splitlines()[0]
+    assert bench.Settings().settle_seconds == bench.SETTLE_SECONDS > 0.045  # > onnxruntime's spin
+    assert bench.Settings.quick().settle_seconds == 0
+
+
 def test_bench_single_calls_with_a_busy_core(monkeypatch, tmp_path, capsys, quick_report):
     spun = []
     real_busy_loop = bench.busy_loop

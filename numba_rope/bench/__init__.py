@@ -11,7 +11,7 @@ their own).
 * :mod:`~numba_rope.bench.targets`: the CPU and CUDA targets and the parallel copy;
 * :mod:`~numba_rope.bench.peers`: the implementations timed, the ONNX model builder and
   the torch RoPE;
-* :mod:`~numba_rope.bench.timing`: host timing, the copy floor, the busy core;
+* :mod:`~numba_rope.bench.timing`: host timing, the copy floor, the busy core, settling;
 * :mod:`~numba_rope.bench.runner`: :func:`run`, the bench itself;
 * :mod:`~numba_rope.bench.report`: the table, the JSON and the plot, the machine's vector
   extensions and the warnings of a loaded run;
@@ -49,10 +49,12 @@ from numba_rope.bench.runner import Settings, measure, run
 from numba_rope.bench.targets import CpuTarget, CudaTarget, Unavailable, parallel_copy, target
 from numba_rope.bench.timing import (
     BATCH_SECONDS,
+    SETTLE_SECONDS,
     Timing,
     bandwidth_fraction,
     busy_loop,
     copy_floor,
+    settle,
     time_calls,
 )
 from numba_rope.bench.workloads import (
@@ -79,6 +81,7 @@ __all__ = [
     "ROPE_BASE",
     "SEED",
     "SEED_POSITION_IDS",
+    "SETTLE_SECONDS",
     "TOLERANCE_EPS",
     "WORKLOADS",
     "Case",
@@ -114,6 +117,7 @@ __all__ = [
     "require_matplotlib",
     "rope_caches",
     "run",
+    "settle",
     "spec_formula_numpy",
     "target",
     "time_calls",

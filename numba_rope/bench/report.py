@@ -303,12 +303,15 @@ def format_table(report: Report) -> str:
     env = report.environment
     sampled = "single calls" if report.settings.get("single_calls") else "samples"
     busy = ", a busy loop on another core" if report.settings.get("busy") else ""
+    settled = report.settings.get("settle_seconds") or 0
+    apart = f", each after {settled * 1e3:.0f} ms of settling" if settled else ""
     vector = env.get("vector_extensions") or {}
     lines = [
         f"numba_rope {env['numba_rope']} on {report.settings['device']}: numba {env['numba']}, "
         f"numpy {env['numpy']}, {env['numba_threads']} threads "
         f"({env['numba_threading_layer'] or 'no parallel region run'}), "
-        f"median of up to {report.settings['repeats']} {sampled}, {load_line(report)}{busy}",
+        f"median of up to {report.settings['repeats']} {sampled}{apart}, "
+        f"{load_line(report)}{busy}",
         f"{env.get('processor') or env.get('machine')}, {env.get('cpu_count')} cores, "
         f"{vector.get('summary', 'vector extensions: unknown')}",
         "GB/s: input read + output written + distinct cache rows read, over the median; "

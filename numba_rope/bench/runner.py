@@ -10,6 +10,10 @@ What is measured, and how:
   each batch, so the timer's resolution and overhead do not dominate; with
   ``single_calls`` every sample is one call, and the 95th percentile is then the
   latency of a single call (issue 5's decode target).
+* Each implementation is timed apart from the threads of the one before: the calling
+  thread first copies on its own for ``settle_seconds`` (see
+  :func:`~numba_rope.bench.timing.settle`), while onnxruntime's, OpenMP's and
+  numba_rope's worker threads stop spinning.
 * With ``busy``, another process spins on one core while everything is timed (see
   :func:`~numba_rope.bench.timing.busy_loop`): small calls must not stall when the
   machine's other cores are taken.
@@ -40,7 +44,13 @@ from numba_rope.bench.checks import check_output
 from numba_rope.bench.peers import Implementation, implementations
 from numba_rope.bench.report import Report, Result, cpu_seconds, environment, finish
 from numba_rope.bench.targets import Unavailable, target
-from numba_rope.bench.timing import BATCH_SECONDS, busy_loop, time_calls
+from numba_rope.bench.timing import (
+    BATCH_SECONDS,
+    SETTLE_SECONDS,
+    busy_loop,
+    settle,
+    time_calls,
+)
 from numba_rope.bench.workloads import DTYPES, WORKLOADS, Case, make_case
 
 
@@ -57,11 +67,19 @@ class Settings:
     single_calls: bool = False  # every sample one call, also on the batched workloads
     busy: bool = False  # a process spins on one core while timing (busy_loop)
     smoke: bool = False  # made by quick() (`bench --quick`): the numbers mean little
+    settle_seconds: float = SETTLE_SECONDS  # before each implementation (timing.settle)
 
     @classmethod
     def quick(cls, **changes: Any) -> Settings:
         """Tiny repeats for smoke tests: numbers are not meaningful."""
-        settings = cls(repeats=3, warmup=1, batch_seconds=1e-4, budget_seconds=0.2, smoke=True)
+        settings = cls(
+            repeats=3,
+            warmup=1,
+            batch_seconds=1e-4,
+            budget_seconds=0.2,
+            smoke=True,
+            settle_seconds=0.0,
+        )
         for name, value in changes.items():
             setattr(settings, name, value)
         return settings
@@ -122,6 +140,7 @@ def run(
                 for implementation in candidates:
                     step += 1
                     show(f"[{step}/{total}] {workload_name} {dtype_name} {implementation.name}...")
+                    settle(settings.settle_seconds)
                     result = measure(implementation, case, expected, tgt, threads, settings, report)
                     if result is None:
                         continue

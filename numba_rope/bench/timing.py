@@ -23,6 +23,15 @@ from numba_rope.bench.workloads import Case
 #: Length of one timed batch of calls on ``batched`` workloads, in seconds.
 BATCH_SECONDS = 5e-4
 
+#: How long :func:`settle` keeps the calling thread busy before an implementation is
+#: timed, in seconds. Worker threads spin on after their last call, and a spinning
+#: thread takes the core that the next implementation's second thread needs: on the
+#: 2-core Zen 4 VM, onnxruntime's intra-op pool kept a core busy for about 45 ms after
+#: a burst of decode calls (0.86 cores over the first 50 ms, nothing after), torch's
+#: OpenMP threads under 10 ms, numba_rope's helper thread 1 ms
+#: (``config.HELPER_SPIN_MICROSECONDS``).
+SETTLE_SECONDS = 0.06
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -67,6 +76,25 @@ def time_calls(
             break
     values = np.array(samples)
     return Timing(float(np.median(values)), float(np.percentile(values, 95)), len(samples), number)
+
+
+def settle(seconds: float) -> None:
+    """Keep the calling thread busy for ``seconds`` with single-thread copies of 256 KiB,
+    so that the worker threads of whatever ran before (see :data:`SETTLE_SECONDS`)
+    stop spinning and go to sleep before the next implementation is timed: each one is
+    then timed apart from the others' threads. Busy rather than asleep, so that the
+    calling thread keeps its core meanwhile.
+
+    >>> start = time.perf_counter(); settle(0.01); time.perf_counter() - start >= 0.01
+    True
+    """
+    if seconds <= 0:
+        return
+    source = np.ones(1 << 16, np.float32)
+    target = np.empty_like(source)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        np.copyto(target, source)
 
 
 def copy_floor(case: Case, tgt: Any, repeats: int = 15) -> float:
