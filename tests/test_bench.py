@@ -127,6 +127,25 @@ def test_every_cpu_implementation_passes_the_check_on_a_three_d_case(dtype):
         assert statuses["torch eager"][0] == "ok", statuses
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_in_place_row_rotates_a_tensor_on_a_line_boundary(dtype):
+    # Its tensor starts on 64 bytes, as torch's do, wherever malloc would put a copy;
+    # it holds one rotation of the input when checked, within the check's tolerance
+    # of the float64 reference.
+    case = bench.make_case("seed", dtype)
+    in_place = next(i for i in bench.implementations("cpu", 1) if i.name.endswith("(in place)"))
+    prepared = in_place.prepare(case, bench.CpuTarget(), 1)
+    tensor = prepared.output()
+    assert tensor.ctypes.data % 64 == 0 and tensor.flags.c_contiguous
+    assert tensor.dtype == case.input.dtype and tensor.shape == case.input.shape
+    prepared.call()
+    expected = reference.rotary_embedding(
+        case.input, case.cos_cache, case.sin_cache, case.position_ids
+    )
+    assert bench.check_output(case, "rope", prepared.output(), expected)[0]
+    assert bench.on_line_boundary(np.arange(7, dtype=np.float16)[1:]).ctypes.data % 64 == 0
+
+
 def test_bytes_count_each_distinct_cache_row_once():
     case = bench.make_case("seed", "float16")
     distinct = len({6, 2, 1, 7, 8, 3})

@@ -193,9 +193,15 @@ def _numba_rope_in_place(case: Case, tgt: Any, threads: int) -> Prepared:
     """Rotated in place (``out=x``: the form of vLLM's op and of flash-attn's
     ``inplace=True``). The first call (compiling) is undone by copying the input back,
     so that the checked output is one rotation of it; the timed calls rotate it further
-    by the same angles, as a serving loop rotates each new step's tensor."""
+    by the same angles, as a serving loop rotates each new step's tensor.
+
+    On the host the tensor starts on a 64-byte boundary, as torch's tensors do: where
+    ``malloc`` put a copy (16 bytes past a page for a fresh mapping, anywhere on the
+    heap once a peer has raised glibc's mapping threshold) changed the partial
+    workload's float16 row 2.5x from run to run (see ``docs/performance.md``, "Eighth
+    session")."""
     _, cos, sin, ids = _device_arguments(case, tgt)
-    x = tgt.put(case.input.copy())  # on the host, put() is the array itself
+    x = tgt.put(on_line_boundary(case.input) if tgt.name == "cpu" else case.input.copy())
     options = case.options
 
     def call():
@@ -206,6 +212,20 @@ def _numba_rope_in_place(case: Case, tgt: Any, threads: int) -> Prepared:
     tgt.copy(tgt.put(case.input), x)
     tgt.synchronize()
     return Prepared(call, lambda: tgt.to_host(x))
+
+
+def on_line_boundary(array: np.ndarray, boundary: int = 64) -> np.ndarray:
+    """A C-contiguous copy of ``array`` whose data start on a multiple of ``boundary``
+    bytes.
+
+    >>> on_line_boundary(np.arange(5.0)).ctypes.data % 64
+    0
+    """
+    raw = np.empty(array.nbytes + boundary, np.uint8)
+    start = -raw.ctypes.data % boundary
+    copy = raw[start : start + array.nbytes].view(array.dtype).reshape(array.shape)
+    np.copyto(copy, array)
+    return copy
 
 
 def _first_call(call: Callable[[], object], tgt: Any) -> None:
