@@ -294,14 +294,22 @@ def _onnxruntime_session(case: Case, tgt: Any, threads: int) -> tuple[Any, dict[
 
 
 def _onnxruntime(case: Case, tgt: Any, threads: int) -> Prepared:
-    """onnxruntime writing into a preallocated output bound with I/O binding."""
+    """onnxruntime writing into a preallocated output bound with I/O binding. The
+    binding holds the output's address only: the call keeps the array alive, so that a
+    caller that keeps the call and drops the rest does not have it write into freed
+    memory."""
     session, feeds = _onnxruntime_session(case, tgt, threads)
     out = np.empty_like(case.input)
     binding = session.io_binding()
     for name, array in feeds.items():
         binding.bind_cpu_input(name, array)
     binding.bind_output("output", "cpu", 0, case.dtype, out.shape, out.ctypes.data)
-    return Prepared(lambda: session.run_with_iobinding(binding), lambda: out)
+
+    def call():
+        session.run_with_iobinding(binding)
+        return out
+
+    return Prepared(call, lambda: out)
 
 
 def _onnxruntime_run(case: Case, tgt: Any, threads: int) -> Prepared:
