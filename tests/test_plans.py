@@ -200,15 +200,10 @@ def test_qk_plan_with_an_integer_offset_in_place_on_a_fused_buffer(rng):
         numba_rope.rotary_embedding_qk(q, k, cos, sin, position_offset=20, layout="bshd")
 
 
-@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
-@pytest.mark.parametrize("which", ["q", "k", "both", "neither"])
-def test_qk_with_one_of_q_and_k_in_place(rng, monkeypatch, which, parallel):
-    # A decode step that rotates q in place and writes k elsewhere (a KV-cache slot):
-    # the kernels read and write q through one array (their in-place flag), else
-    # LLVM's overlap test fails for equal pointers and takes the scalar loop. The
-    # flags reach the kernels on the plan path and on the general path alike.
-    if parallel:
-        monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 1)
+@pytest.fixture
+def in_place_flags(monkeypatch):
+    """The in-place flags (``FIRST_IN_PLACE`` + ``SECOND_IN_PLACE``) of every kernel
+    choice made meanwhile, in order."""
     requested = []
     kernels = cpu_backend.kernels
 
@@ -217,6 +212,18 @@ def test_qk_with_one_of_q_and_k_in_place(rng, monkeypatch, which, parallel):
         return kernels(*args)
 
     monkeypatch.setattr(cpu_backend, "kernels", recording)
+    return requested
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("which", ["q", "k", "both", "neither"])
+def test_qk_with_one_of_q_and_k_in_place(rng, monkeypatch, in_place_flags, which, parallel):
+    # A decode step that rotates q in place and writes k elsewhere (a KV-cache slot):
+    # the kernels read and write q through one array (their in-place flag), else
+    # LLVM's overlap test fails for equal pointers and takes the scalar loop. The
+    # flags reach the kernels on the plan path and on the general path alike.
+    if parallel:
+        monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 1)
     _, cos, sin, ids = make_case(rng, (2, 4, 3, 16), BFLOAT16)
     for _ in range(2):  # the second call runs the plan
         q = rng.standard_normal((2, 4, 3, 16)).astype(BFLOAT16)
@@ -229,25 +236,17 @@ def test_qk_with_one_of_q_and_k_in_place(rng, monkeypatch, which, parallel):
         assert_bitwise_equal(out_k, expected_k)
     flags = {"q": cpu_kernels.FIRST_IN_PLACE, "k": cpu_kernels.SECOND_IN_PLACE, "neither": 0}
     flags["both"] = cpu_kernels.FIRST_IN_PLACE + cpu_kernels.SECOND_IN_PLACE
-    assert requested and set(requested) == {flags[which]}
+    assert in_place_flags and set(in_place_flags) == {flags[which]}
 
 
 @pytest.mark.parametrize("form", ["x[...]", "buffer[i] twice", "read-only input", "k of q and k"])
-def test_in_place_through_another_view_runs_the_in_place_kernels(rng, monkeypatch, form):
+def test_in_place_through_another_view_runs_the_in_place_kernels(rng, in_place_flags, form):
     # An output that is another array over the input's very elements (the same address,
     # shape and strides): the general path runs the in-place kernels, given the output
     # as the input (it is writable; the input need not be). The two-pointer kernels
     # give the same bits there, but their vector loops test the pointers for overlap
     # and take the scalar code. Channels past rotary_dim and the buffer's other entries
     # stay as they were.
-    requested = []
-    kernels = cpu_backend.kernels
-
-    def recording(*args):
-        requested.append(args[3])
-        return kernels(*args)
-
-    monkeypatch.setattr(cpu_backend, "kernels", recording)
     _, cos, sin, ids = make_case(rng, (2, 4, 3, 16), np.float16, rotary_dim=8)
     buffer = rng.standard_normal((3, 2, 4, 3, 16)).astype(np.float16)
     before = buffer.copy()
@@ -271,7 +270,7 @@ def test_in_place_through_another_view_runs_the_in_place_kernels(rng, monkeypatc
         flag = cpu_kernels.FIRST_IN_PLACE
     assert_bitwise_equal(buffer[1], expected)
     assert np.array_equal(buffer[[0, 2]], before[[0, 2]])
-    assert requested == [flag]
+    assert in_place_flags == [flag]
 
 
 # -- compiled plans ----------------------------------------------------------------------
