@@ -63,6 +63,25 @@ def test_bshd_out_and_in_place(rng, device, dtype):
     assert_bitwise_equal(off(buffer), want)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=str)
+def test_in_place_through_another_view_of_the_input(rng, device, dtype):
+    # out= another array over the input's very elements (two views of one buffer entry,
+    # partial rotary, interleaved): the entry holds the contract's rotation, its
+    # channels past rotary_dim and the buffer's other entries stay as they were.
+    _, cos, sin, ids = make_case(rng, (2, 4, 3, 16), dtype, rotary_dim=8)
+    host = rng.standard_normal((3, 2, 4, 3, 16)).astype(dtype)
+    before = host.copy()
+    base, x, out = device.views(host, host[1], host[1])
+    on = device.on
+    options = {"rotary_embedding_dim": 8, "interleaved": True}
+    result = numba_rope.rotary_embedding(x, on(cos), on(sin), on(ids), out=out, **options)
+    assert result is out
+    got = device.off(base)
+    device.assert_contract(got[1], before[1], cos, sin, ids, interleaved=True, rotary_dim=8)
+    assert np.array_equal(got[1][..., 8:], before[1][..., 8:])
+    assert np.array_equal(got[[0, 2]], before[[0, 2]])
+
+
 def test_3d_equals_reshaped_4d_including_strided_views(rng):
     batch, heads, seq_len, head_size = 2, 3, 5, 8
     x, cos, sin, ids = make_case(rng, (batch, heads, seq_len, head_size), np.float32)
