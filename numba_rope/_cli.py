@@ -161,7 +161,13 @@ def add_bench_parser(commands) -> None:
         "--repeats", type=_positive, default=None, help="timed samples per row (default 30)"
     )
     parser.add_argument(
-        "--quick", action="store_true", help="3 samples and short budgets: a smoke test"
+        "--rounds",
+        type=_positive,
+        default=None,
+        help="turns of every implementation of a workload, samples pooled (default 3)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="3 samples, 1 round, short budgets: a smoke test"
     )
     parser.add_argument(
         "--single-calls",
@@ -199,6 +205,8 @@ def bench(args: argparse.Namespace) -> int:
     settings = benchmarks.Settings.quick(**chosen) if args.quick else benchmarks.Settings(**chosen)
     if args.repeats is not None:
         settings.repeats = args.repeats
+    if args.rounds is not None:
+        settings.rounds = args.rounds
     try:
         report = benchmarks.run(settings)
     except benchmarks.Unavailable as why:

@@ -491,6 +491,84 @@ def test_each_implementation_is_timed_after_settling(monkeypatch):
     assert bench.Settings.quick().settle_seconds == 0
 
 
+def test_implementations_take_turns_in_rounds_and_pool_their_samples(monkeypatch):
+    # Round after round, every implementation of a (workload, dtype) is timed again
+    # (settled first, prepared afresh, checked in the first round only), and a row's
+    # median and p95 are those of its samples from all rounds, so that a machine's
+    # drift moves all rows alike. Here "drifting" slows down from round to round.
+    events = []
+    real_measure = runner.measure
+    monkeypatch.setattr(runner, "settle", lambda seconds: events.append(("settle", seconds)))
+
+    def measure(implementation, *args, **kwargs):
+        events.append(("measure", implementation.name, kwargs["check"]))
+        return real_measure(implementation, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "measure", measure)
+    prepared_in: list[int] = []
+
+    def drifting(case, tgt, threads):
+        turn = len(prepared_in)
+        prepared_in.append(turn)
+        want = reference.rotary_embedding(
+            case.input, case.cos_cache, case.sin_cache, case.position_ids, **case.options
+        )
+
+        def call():
+            time.sleep(0.001 * (1 + turn))
+
+        return bench.Prepared(call, lambda: want if turn == 0 else want * 0)
+
+    extra = [bench.Implementation("drifting", "rope", drifting)]
+    settings = bench.Settings.quick(
+        workloads=["seed"], dtypes=["float32"], settle_seconds=0.001, rounds=3, repeats=6
+    )
+    settings.batch_seconds = 0.0
+    settings.single_calls = True
+    settings.budget_seconds = 30.0
+    report = bench.run(settings, progress=None, extra=extra)
+    threads = report.settings["threads"]
+    names = [implementation.name for implementation in bench.implementations("cpu", threads)]
+    names.append("drifting")
+    ran = [e for e in events if e[0] == "measure"]
+    assert [e[1] for e in ran] == names * 3  # in turns, not one implementation at a time
+    assert [e[2] for e in ran] == [True] * len(names) + [False] * (2 * len(names))
+    assert events[::2] == [("settle", 0.001)] * len(ran)
+    assert prepared_in == [0, 1, 2]  # prepared afresh each round; checked in the first only
+    row = next(r for r in report.results if r.implementation == "drifting")
+    assert row.status == "ok" and row.samples == 6 and len(row.sample_s) == 6
+    per_round = [sorted(row.sample_s[i : i + 2]) for i in (0, 2, 4)]
+    assert per_round[0][1] < per_round[1][0] and per_round[1][1] < per_round[2][0]
+    assert row.median_s == pytest.approx(float(np.median(row.sample_s)))
+    assert row.p95_s == pytest.approx(float(np.percentile(row.sample_s, 95)))
+    floor = min(r.median_s for r in report.results if r.kind == "copy")
+    assert row.ratio_to_copy == pytest.approx(row.median_s / floor)
+    assert "6 single calls in 3 rounds" in bench.format_table(report).splitlines()[0]
+    assert bench.Settings().rounds == 3 and bench.Settings.quick().rounds == 1
+
+
+def test_a_failure_in_a_later_round_is_reported(monkeypatch):
+    calls: list[int] = []
+
+    def fails_in_round_two(case, tgt, threads):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("kernel exploded in round 2")
+        want = reference.rotary_embedding(
+            case.input, case.cos_cache, case.sin_cache, case.position_ids, **case.options
+        )
+        return bench.Prepared(lambda: None, lambda: want)
+
+    settings = bench.Settings.quick(workloads=["seed"], dtypes=["float32"], rounds=3)
+    monkeypatch.setattr(runner, "implementations", lambda device, threads: [])  # "flaky" alone
+    report = bench.run(
+        settings, progress=None, extra=[bench.Implementation("flaky", "rope", fails_in_round_two)]
+    )
+    (row,) = report.results
+    assert row.status == "FAILED" and "round 2" in row.reason and row.median_s is None
+    assert len(calls) == 2  # not timed again after failing
+
+
 def test_bench_single_calls_with_a_busy_core(monkeypatch, tmp_path, capsys, quick_report):
     spun = []
     real_busy_loop = bench.busy_loop

@@ -40,6 +40,7 @@ class Result:
     error_eps: float | None = None
     kind: str = "rope"  # "copy": a floor row; "allocating copy": x.copy(); "rope": RoPE
     noisy: str = ""  # why this row's times and ratio are not to be trusted ("": nothing seen)
+    sample_s: list[float] = field(default_factory=list)  # seconds per call of each sample
 
 
 @dataclass
@@ -305,6 +306,9 @@ def format_table(report: Report) -> str:
     busy = ", a busy loop on another core" if report.settings.get("busy") else ""
     settled = report.settings.get("settle_seconds") or 0
     apart = f", each after {settled * 1e3:.0f} ms of settling" if settled else ""
+    rounds = report.settings.get("rounds") or 1
+    if rounds > 1:
+        sampled += f" in {rounds} rounds"
     vector = env.get("vector_extensions") or {}
     lines = [
         f"numba_rope {env['numba_rope']} on {report.settings['device']}: numba {env['numba']}, "

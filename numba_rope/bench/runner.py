@@ -14,6 +14,15 @@ What is measured, and how:
   thread first copies on its own for ``settle_seconds`` (see
   :func:`~numba_rope.bench.timing.settle`), while onnxruntime's, OpenMP's and
   numba_rope's worker threads stop spinning.
+* The implementations of a (workload, dtype) take turns: ``rounds`` rounds (3 unless
+  set), each timing every implementation for its share of ``repeats`` and
+  ``budget_seconds``, and an implementation's median and 95th percentile are those of
+  its samples from all rounds. A machine whose speed drifts over minutes (a shared
+  VM's can by 2x) then moves every implementation alike, and the ratios between them
+  hold; timed one after the other, they compared moments as much as code. Each round
+  prepares an implementation afresh (its arrays and sessions, dropped after it is
+  timed), so memory holds one implementation's arrays at a time; the output is
+  checked in the first round only.
 * With ``busy``, another process spins on one core while everything is timed (see
   :func:`~numba_rope.bench.timing.busy_loop`): small calls must not stall when the
   machine's other cores are taken.
@@ -68,6 +77,7 @@ class Settings:
     busy: bool = False  # a process spins on one core while timing (busy_loop)
     smoke: bool = False  # made by quick() (`bench --quick`): the numbers mean little
     settle_seconds: float = SETTLE_SECONDS  # before each implementation (timing.settle)
+    rounds: int = 3  # turns of every implementation of a (workload, dtype), samples pooled
 
     @classmethod
     def quick(cls, **changes: Any) -> Settings:
@@ -79,6 +89,7 @@ class Settings:
             budget_seconds=0.2,
             smoke=True,
             settle_seconds=0.0,
+            rounds=1,
         )
         for name, value in changes.items():
             setattr(settings, name, value)
@@ -123,7 +134,8 @@ def run(
         environment=environment(threads),
     )
     show = _progress_printer(progress)
-    total = len(settings.workloads) * len(settings.dtypes) * len(candidates)
+    rounds = max(1, settings.rounds)
+    total = len(settings.workloads) * len(settings.dtypes) * len(candidates) * rounds
     with busy_loop(settings.busy):
         step = 0
         for workload_name in settings.workloads:
@@ -136,28 +148,60 @@ def run(
                 expected = reference.rotary_embedding(
                     case.input, case.cos_cache, case.sin_cache, case.position_ids, **case.options
                 )
-                floor: float | None = None
-                for implementation in candidates:
-                    step += 1
-                    show(f"[{step}/{total}] {workload_name} {dtype_name} {implementation.name}...")
-                    settle(settings.settle_seconds)
-                    result = measure(implementation, case, expected, tgt, threads, settings, report)
-                    if result is None:
-                        continue
-                    if result.median_s is not None:
-                        if implementation.kind == "copy":
-                            floor = (
-                                result.median_s if floor is None else min(floor, result.median_s)
-                            )
-                        elif floor is not None:
-                            result.ratio_to_copy = result.median_s / floor
-                    report.results.append(result)
+                results: dict[str, Result] = {}
+                for turn in range(rounds):
+                    for implementation in candidates:
+                        step += 1
+                        earlier = results.get(implementation.name)
+                        if turn and (earlier is None or earlier.median_s is None):
+                            continue  # not installed, not available here, or failed
+                        show(
+                            f"[{step}/{total}] {workload_name} {dtype_name} "
+                            f"{implementation.name}" + (f", round {turn + 1}..." if turn else "...")
+                        )
+                        settle(settings.settle_seconds)
+                        result = measure(
+                            implementation, case, expected, tgt, threads, settings, report,
+                            rounds=rounds, check=not turn,
+                        )  # fmt: skip
+                        if result is None:
+                            continue
+                        results[implementation.name] = (
+                            result if earlier is None else _pooled(earlier, result)
+                        )
+                _add_ratios(list(results.values()))
+                report.results += results.values()
                 del case, expected
     finish(report, started, cpu_at_start)
     show(f"[{total}/{total}] done")
     if progress is not None and progress.isatty():
         progress.write("\n")
     return report
+
+
+def _pooled(first: Result, later: Result) -> Result:
+    """``first`` with the samples of a later round of the same implementation: the
+    median and 95th percentile of them all, or the later round's failure."""
+    if later.median_s is None:
+        return later  # a failure in a later round: reported, not averaged away
+    first.sample_s = first.sample_s + later.sample_s
+    values = np.array(first.sample_s)
+    first.median_s = float(np.median(values))
+    first.p95_s = float(np.percentile(values, 95))
+    first.samples = len(first.sample_s)
+    first.gb_per_s = first.bytes / first.median_s / 1e9
+    return first
+
+
+def _add_ratios(results: list[Result]) -> None:
+    """Each timed RoPE row's ``ratio_to_copy``: its median over the fastest copy's."""
+    floors = [r.median_s for r in results if r.kind == "copy" and r.median_s is not None]
+    if not floors:
+        return
+    floor = min(floors)
+    for result in results:
+        if result.kind != "copy" and result.median_s is not None:
+            result.ratio_to_copy = result.median_s / floor
 
 
 def measure(
@@ -168,8 +212,13 @@ def measure(
     threads: int,
     settings: Settings,
     report: Report | None = None,
+    *,
+    rounds: int = 1,
+    check: bool = True,
 ) -> Result | None:
-    """Prepare, verify and time one implementation on one case.
+    """Prepare, verify (unless not ``check``: a later round) and time one
+    implementation on one case, for a ``rounds``-th of the settings' samples and
+    budget.
 
     Returns None for an implementation that cannot run anywhere here (recorded in
     ``report.not_installed``).
@@ -189,24 +238,27 @@ def measure(
         result.status, result.reason = "FAILED", f"{type(error).__name__}: {error}"
         return result
     copies = implementation.kind in ("copy", "allocating copy")
-    want = case.input if copies else expected
-    ok, error_eps, reason = check_output(case, implementation.kind, prepared.output(), want)
-    result.error_eps = error_eps
-    if not ok:
-        result.status, result.reason = "FAILED", reason
-        return result
+    if check:
+        want = case.input if copies else expected
+        ok, error_eps, reason = check_output(case, implementation.kind, prepared.output(), want)
+        result.error_eps = error_eps
+        if not ok:
+            result.status, result.reason = "FAILED", reason
+            return result
     batched = case.workload.batched and not settings.single_calls
+    rounds = max(1, rounds)
     timing = time_calls(
         prepared.call,
-        settings.repeats,
+        -(-settings.repeats // rounds),
         batch_seconds=settings.batch_seconds if batched else 0.0,
         warmup=settings.warmup,
-        budget_seconds=settings.budget_seconds,
+        budget_seconds=settings.budget_seconds / rounds,
     )
     moved = case.copy_bytes if copies else case.rope_bytes
     result.status = "ok"
     result.median_s, result.p95_s = timing.median, timing.p95
     result.samples, result.calls_per_sample = timing.samples, timing.calls_per_sample
+    result.sample_s = list(timing.per_call)
     result.bytes = moved
     result.gb_per_s = moved / timing.median / 1e9
     return result

@@ -39,6 +39,7 @@ class Timing:
     p95: float
     samples: int
     calls_per_sample: int
+    per_call: tuple[float, ...] = ()  # each sample's seconds per call, in order
 
 
 def time_calls(
@@ -75,7 +76,13 @@ def time_calls(
         if len(samples) >= 3 and time.perf_counter() - began > budget_seconds:
             break
     values = np.array(samples)
-    return Timing(float(np.median(values)), float(np.percentile(values, 95)), len(samples), number)
+    return Timing(
+        float(np.median(values)),
+        float(np.percentile(values, 95)),
+        len(samples),
+        number,
+        tuple(samples),
+    )
 
 
 def settle(seconds: float) -> None:
