@@ -368,6 +368,43 @@ def test_float16_caches_give_the_contract_bits(rng, monkeypatch, form, run):
         assert_bitwise_equal(back(k_in), want_k)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+def test_in_place_rows_off_lines_with_channels_past_rotary_dim(rng, dtype):
+    # Rotated in place, rows whose channels past rotary_dim are not written and which
+    # start off a 64-byte line prefetch the rows PREFETCH_ROWS ahead (a hint: the
+    # bits are those of the contract, the channels past rotary_dim untouched).
+    from numba_rope._cpu.kernels import PREFETCH_ROWS
+
+    tokens = 2 * PREFETCH_ROWS + 3  # rows with and without a row that far ahead
+    x, cos, sin, ids = make_case(rng, (2, 3, tokens, 136), dtype, rotary_dim=64)
+    for interleaved in (False, True):
+        raw = np.empty(x.nbytes + 64, np.uint8)
+        start = (16 - raw.ctypes.data) % 64  # 16 bytes past a line
+        work = raw[start : start + x.nbytes].view(x.dtype).reshape(x.shape)
+        work[...] = x
+        numba_rope.rotary_embedding(
+            work, cos, sin, ids, out=work, interleaved=interleaved, rotary_embedding_dim=64
+        )
+        want = float32_contract(x, cos, sin, ids, interleaved, 64)
+        assert_bitwise_equal(work, want)
+        assert_bitwise_equal(work[..., 64:], x[..., 64:])
+
+
+def test_a_prefetch_is_a_hint_that_never_faults():
+    from numba_rope._cpu.vector import prefetch_span
+
+    @numba.njit
+    def touch(a, offset, nbytes):
+        prefetch_span(a, offset, nbytes)
+        return a[0]
+
+    a = np.arange(4, dtype=np.float32)
+    # past the end, before the start, a span of many lines: nothing read or written
+    for offset, nbytes in ((0, 16), (1 << 20, 4096), (-(1 << 20), 200), (3, 1)):
+        assert touch(a, offset, nbytes) == 0.0
+    np.testing.assert_array_equal(a, np.arange(4, dtype=np.float32))
+
+
 def test_token_major_follows_memory_order():
     from numba_rope._cpu import backend as cpu_backend
 

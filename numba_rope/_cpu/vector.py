@@ -6,8 +6,8 @@ the kernel that calls it, so nothing here is compiled on its own. They exist whe
 LLVM's loop vectorizer cannot be asked for what is needed: non-temporal stores
 (streaming large outputs past the cache), bfloat16 rows taken two elements per 32-bit
 word, rows without the overlap and length tests the vectorizer puts before every row
-(short rows: a decode step's), and the row views over raw pointers that the loops of
-:mod:`numba_rope._cpu.kernels` rotate.
+(short rows: a decode step's), the row views over raw pointers that the loops of
+:mod:`numba_rope._cpu.kernels` rotate, and software prefetches (:func:`prefetch_span`).
 
 The arithmetic is :func:`numba_rope._rotation.rotate_pair`'s, one rounding per
 operation and no contraction: a vector step gives the bits of the element loop.
@@ -451,6 +451,43 @@ def vector_pairs(
             return inner_codegen(context, builder, inner_signature, args[:6])
 
     return types.intp(*rows, interleaved, words, streaming), codegen
+
+
+@intrinsic
+def prefetch_span(typingctx, array, byte_offset, nbytes):
+    """Prefetch, for writing, the cache lines of ``nbytes`` bytes of ``array`` from
+    ``byte_offset`` on (``llvm.prefetch``: a hint, which never faults, so the span may
+    lie past the array's end). Addresses are computed as integers: no ``inbounds``
+    pointer arithmetic past the array."""
+    if not isinstance(array, types.Array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        source = context.make_array(signature.args[0])(context, builder, args[0])
+        i64 = ir.IntType(64)
+        start = builder.add(
+            builder.ptrtoint(source.data, i64),
+            context.cast(builder, args[1], signature.args[1], types.intp),
+        )
+        length = context.cast(builder, args[2], signature.args[2], types.intp)
+        byte_pointer = ir.IntType(8).as_pointer()
+        prefetch = builder.module.declare_intrinsic(
+            "llvm.prefetch",
+            fnty=ir.FunctionType(ir.VoidType(), [byte_pointer, _LANE, _LANE, _LANE]),
+        )
+        hint = [ir.Constant(_LANE, 1), ir.Constant(_LANE, 3), ir.Constant(_LANE, 1)]
+        end = builder.add(start, length)
+        with cgutils.for_range_slice(builder, start, end, ir.Constant(i64, 64), i64) as (
+            address,
+            _,
+        ):
+            builder.call(prefetch, [builder.inttoptr(address, byte_pointer), *hint])
+        # the line of the last byte, which a span off the lines' boundaries reaches
+        last = builder.sub(end, ir.Constant(i64, 1))
+        builder.call(prefetch, [builder.inttoptr(last, byte_pointer), *hint])
+        return context.get_dummy_value()
+
+    return types.void(array, byte_offset, nbytes), codegen
 
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
