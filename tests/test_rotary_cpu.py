@@ -322,8 +322,18 @@ def test_token_major_order_gives_the_contract_bits(rng, monkeypatch, form, run):
     assert len(asked) >= 2 and all(options[6] for options in asked)  # token_major
 
 
-@pytest.mark.parametrize("run", ["serial", "helper", "parallel"])
-@pytest.mark.parametrize("form", ["decode", "bshd", "bhsd"])
+#: Token by token (decode, bshd) and head by head (bhsd), each on the calling thread,
+#: shared with the helper and in parallel; bshd (several tokens a unit) on the calling
+#: thread only: its units split as decode's do (test_token_major_order_gives_the_
+#: contract_bits runs bshd shared and in parallel). Each case compiles 10-20 s on CI.
+_FLOAT16_CACHE_RUNS = [
+    (form, run) for form in ("decode", "bhsd") for run in ("serial", "helper", "parallel")
+] + [("bshd", "serial")]
+
+
+@pytest.mark.parametrize(
+    ("form", "run"), _FLOAT16_CACHE_RUNS, ids=[f"{f}-{r}" for f, r in _FLOAT16_CACHE_RUNS]
+)
 def test_float16_caches_give_the_contract_bits(rng, monkeypatch, form, run):
     # Token by token (decode, bshd), float16 cache rows are widened to float32 once
     # for all the token's heads (exact) and the heads rotate by the widened rows;
