@@ -515,6 +515,31 @@ def test_bfloat16_two_per_word_at_any_alignment(rng, head_size, rotary_dim, star
     assert set(np.unique(x.view(np.uint16)[nan & rotated]) & 0x7FFF) == {0x7FC0}
 
 
+@pytest.mark.parametrize(("head_size", "rotary_dim"), [(64, 64), (130, 128), (120, 112), (90, 80)])
+def test_float16_halves_two_steps_at_a_time(rng, head_size, rotary_dim):
+    # float16 rows of non-interleaved pairs go two vector steps at a time, both
+    # steps' halves narrowed and stored as one vector (32 pairs), then at most one step
+    # of 16 and one of 8, the rest element by element: half 32 (one double step), 64
+    # (two), 56 (32 + 16 + 8), 40 (32 + 8); rows and caches starting between 64-byte
+    # lines, in place and not, the inverse, and extremes (the largest float16, whose
+    # rotation may overflow, subnormals, NaN).
+    shape = (2, 3, 5, head_size)
+    buffer = rng.standard_normal((2, 3, 5, head_size + 1)).astype(np.float16)
+    flat = buffer.reshape(-1)
+    flat[5::37] = np.float16(65504.0)
+    flat[9::41] = np.float16(6e-8)  # subnormal
+    flat[13::43] = np.float16(np.nan)
+    x = buffer[..., 1 : 1 + head_size]
+    _, cos, sin, ids = make_case(rng, shape, np.float16, rotary_dim=rotary_dim)
+    for inverse in (False, True):
+        want = float32_contract(x, cos, -sin if inverse else sin, ids, False, rotary_dim)
+        options = {"rotary_embedding_dim": rotary_dim, "inverse": inverse}
+        assert_bitwise_equal(numba_rope.rotary_embedding(x, cos, sin, ids, **options), want)
+        work = x.copy()
+        numba_rope.rotary_embedding(work, cos, sin, ids, out=work, **options)
+        assert_bitwise_equal(work, want)
+
+
 def test_concurrent_calls_from_python_threads(rng, parallel_always):
     cases = [make_case(np.random.default_rng(i), (2, 4, 32, 64), np.float32) for i in range(4)]
     wants = [float32_contract(*case) for case in cases]

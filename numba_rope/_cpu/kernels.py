@@ -21,7 +21,14 @@ from numba.extending import overload
 
 from numba_rope._conversions import narrow_like, widen
 from numba_rope._cpu import relay
-from numba_rope._cpu.vector import prefetch_span, row, store_fence, stream_copy, vector_pairs
+from numba_rope._cpu.vector import (
+    prefetch_span,
+    row,
+    store_fence,
+    stream_copy,
+    vector_pairs,
+    widen_span,
+)
 from numba_rope._geometry import (
     byte_span_jit,
     elements_distinct,
@@ -250,7 +257,9 @@ def _token_cache_rows_overload(cos_row, sin_row, scratch):
         half = cos_row.shape[0]
         cos_wide = row(scratch, 0, half)
         sin_wide = row(scratch, 4 * half, half)
-        for pair in range(half):
+        first = widen_span(cos_row, cos_wide, half)
+        widen_span(sin_row, sin_wide, half)
+        for pair in range(first, half):
             i = np.uint64(pair)
             cos_wide[i] = widen(cos_row[i])
             sin_wide[i] = widen(sin_row[i])
