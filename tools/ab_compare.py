@@ -90,9 +90,22 @@ def _call(rope, name: str, case, k, out, out_k) -> Callable[[], object]:
         return lambda: rope.rotary_embedding(x, cos, sin, ids, out=out, **case.options)
     if name == "alloc":
         return lambda: rope.rotary_embedding(x, cos, sin, ids, **case.options)
-    return lambda: rope.rotary_embedding_qk(
-        x, k, cos, sin, ids, out_q=out, out_k=out_k, **case.options
-    )
+    options = dict(case.options)
+    if case.workload.three_d:  # k's heads, which a 3-D k's shape does not say
+        options["num_kv_heads"] = max(1, case.workload.shape[1] // 4)
+    return lambda: rope.rotary_embedding_qk(x, k, cos, sin, ids, out_q=out, out_k=out_k, **options)
+
+
+def kv_heads(case) -> np.ndarray:
+    """k for the q+k call: the first quarter of the input's heads (at least one), in
+    the input's form (a 3-D input's heads lie inside its last axis)."""
+    x = case.input
+    if not case.workload.three_d:
+        return np.ascontiguousarray(x[:, : max(1, x.shape[1] // 4)])
+    batch, heads, seq_len, head_size = case.workload.shape
+    kept = max(1, heads // 4)
+    split = x.reshape(batch, seq_len, heads, head_size)[:, :, :kept]
+    return np.ascontiguousarray(split).reshape(batch, seq_len, kept * head_size)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     for workload in args.workloads.split(","):
         for dtype in args.dtypes.split(","):
             case = bench.make_case(workload, dtype)
-            k = np.ascontiguousarray(case.input[:, : max(1, case.input.shape[1] // 4)])
+            k = kv_heads(case)
             outs = [(np.empty_like(case.input), np.empty_like(k)) for _ in range(2)]
             for name in ("out", "alloc", "qk"):
                 old = _call(numba_rope_old, name, case, k, *outs[0])
