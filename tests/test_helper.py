@@ -18,6 +18,7 @@ import textwrap
 import threading
 import time
 
+import numba
 import numpy as np
 import pytest
 from oracles import BFLOAT16, assert_bitwise_equal, float32_contract, make_case
@@ -238,6 +239,63 @@ def test_the_helper_takes_chunks_and_the_bits_do_not_change(rng, monkeypatch):
     assert shared > 0
     assert any(t.name == "numba_rope helper" for t in threading.enumerate())
     assert block[relay.STATE] == relay.SERVING and block[relay.OWNER] == 0
+
+
+@numba.njit
+def _claims_across_a_new_job(block):
+    """A helper's claims with the CLAIM words it could have read around the
+    publication of a job of 8 chunks after one of 2 (no runner is called)."""
+    relay.publish(block, 0, 2)
+    for _ in range(3):  # the caller takes the last job's chunks, and one past its end
+        relay.claim_own(block)
+    stale = relay.atomic_load(block, relay.CLAIM)  # chunk 3, of the last job
+    relay.prepare(block, 0, 8)  # the new job's CHUNKS (8) exceed the stale chunk
+    closed = relay.atomic_load(block, relay.CLAIM)
+    prepared = (relay.try_claim(block, stale), relay.try_claim(block, closed))
+    relay.open_claims(block)
+    fresh = relay.atomic_load(block, relay.CLAIM)
+    opened = (relay.try_claim(block, stale), relay.try_claim(block, closed))
+    return prepared, opened, relay.try_claim(block, fresh), relay.claim_own(block)
+
+
+def test_a_claim_word_of_the_last_job_claims_nothing_of_the_next():
+    # The helper reads CLAIM, then CHUNKS, then swaps the word it read for the next
+    # chunk. A word read during the last job (its chunk past that job's end) must
+    # claim nothing of the next job once that job's CHUNKS are larger: publishing
+    # closes the old word (new generation, chunk field full) before it writes CHUNKS,
+    # then opens it at chunk 0. When CHUNKS changed first, a helper between the two
+    # ran a chunk of the new job that the job handed out again (rotated twice in
+    # place) and counted it as finished.
+    block = np.zeros(relay.BLOCK_SLOTS, np.int64)
+    prepared, opened, fresh, caller = _claims_across_a_new_job(block)
+    assert prepared == (-1, -1)  # neither the stale word nor the closed one
+    assert opened == (-1, -1)
+    assert (fresh, caller) == (0, 1)  # the open job hands out chunk 0, then 1
+    assert block[relay.CHUNKS] == 8 and block[relay.FINISHED] == 0
+
+
+def test_jobs_of_more_chunks_after_fewer_rotate_each_chunk_once(rng, monkeypatch):
+    # The pattern of the race above, run for real: a job of 2 chunks, then one of 8
+    # in place, alternately (separate in-place k and q calls of a GQA prefill). A
+    # chunk run twice is rotated twice. Timing decides whether the race is hit (about
+    # once in 20000 pairs of calls on the 2-core VM before the fix); this runs 4000.
+    if os.cpu_count() == 1:
+        pytest.skip("one core: the helper may never run while the caller does")
+    monkeypatch.setattr(config, "HELPER_SPIN_MICROSECONDS", 10**5)
+    cos, sin = numba_rope.rope_cache(8192, 16)
+    small = rng.standard_normal((1, 2, 4096, 16)).astype(np.float32)  # 2 chunks
+    small_out = np.empty_like(small)
+    x = rng.standard_normal((1, 8, 1024, 16)).astype(np.float32)  # 8 chunks
+    want = float32_contract(x, cos, sin, np.arange(5, 5 + 1024)[None])
+    work = np.empty_like(x)
+    block = helper.helper().block
+    for _ in range(4000):
+        block[relay.MISSES] = 0  # publish, loaded or not (see the test above)
+        numba_rope.rotary_embedding(small, cos, sin, position_offset=3, out=small_out)
+        work[...] = x
+        block[relay.MISSES] = 0
+        numba_rope.rotary_embedding(work, cos, sin, position_offset=5, out=work)
+        assert_bitwise_equal(work, want)
 
 
 def test_the_spin_time_is_read_at_each_call(monkeypatch):

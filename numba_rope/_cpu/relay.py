@@ -18,7 +18,9 @@ cache lines of their own:
 
 * ``CLAIM``: the job's generation (bits 24 and up) and the next chunk to take. The
   caller takes chunks with an atomic add; the helper with a compare-and-swap of the
-  whole word, so that a helper that read an old job's word claims nothing of a new one.
+  whole word, so that a helper that read an old job's word claims nothing of a new one
+  (a new job closes the old word before it says how many chunks it has: see
+  :func:`prepare`).
 * ``FINISHED``: chunks the helper has finished in this generation.
 * ``OWNER`` (1 while a caller runs a job: a second caller runs alone), ``RUNNER`` (the
   address of the compiled function that runs a chunk of this job's kind, see
@@ -290,17 +292,39 @@ def take_ownership(block):
 
 
 @cached_njit(inline="always")
-def publish(block, runner, n_chunks):
-    """Publish a job of ``n_chunks`` chunks whose arguments are in the block, run by
-    the function at ``runner``: a new generation whose first chunk is 0."""
+def prepare(block, runner, n_chunks):
+    """The first half of :func:`publish`: close the claims of the last job, then name
+    this job's runner and chunks. Closed first: a helper that read the last job's
+    ``CLAIM`` word (its chunk past that job's end) and then this job's larger
+    ``CHUNKS`` would otherwise still swap that word and run a chunk of this job that
+    the job then hands out again (rotated twice, in place) and count it in
+    ``FINISHED`` (the caller could return before the helper's real chunk is written).
+    Closed, the word is of the new generation with its chunk field full, which no
+    swap of an older word matches and no job's ``CHUNKS`` exceeds."""
     generation = block[GENERATION] + 1
     block[GENERATION] = generation
+    atomic_store(block, CLAIM, (generation << GENERATION_SHIFT) | CHUNK_MASK)
     atomic_store(block, FINISHED, 0)
     atomic_store(block, RUNNER, runner)
     atomic_store(block, CHUNKS, n_chunks)
-    atomic_store(block, CLAIM, generation << GENERATION_SHIFT)
+
+
+@cached_njit(inline="always")
+def open_claims(block):
+    """The second half of :func:`publish`: chunk 0 of the prepared job may be claimed,
+    and a sleeping helper is woken."""
+    atomic_store(block, CLAIM, block[GENERATION] << GENERATION_SHIFT)
     if atomic_load(block, SLEEPING) != 0:  # after CLAIM: see serve()
         wake(block)
+
+
+@cached_njit(inline="always")
+def publish(block, runner, n_chunks):
+    """Publish a job of ``n_chunks`` chunks whose arguments are in the block, run by
+    the function at ``runner``: a new generation whose first chunk is 0
+    (:func:`prepare`, then :func:`open_claims`)."""
+    prepare(block, runner, n_chunks)
+    open_claims(block)
 
 
 #: The futex operations (private to the process).
@@ -320,6 +344,17 @@ def wake(block):
 def claim_own(block):
     """The caller's next chunk (it may exceed the job's chunks: then none is left)."""
     return fetch_add(block, CLAIM, 1) & CHUNK_MASK
+
+
+@cached_njit(inline="always")
+def try_claim(block, word):
+    """The helper's claim of the chunk named by ``word``, the ``CLAIM`` word it read:
+    that chunk if it is one of the job's and ``CLAIM`` still holds ``word`` (swapped
+    for the next chunk), else -1."""
+    chunk = word & CHUNK_MASK
+    if chunk < atomic_load(block, CHUNKS) and compare_exchange(block, CLAIM, word, word + 1):
+        return chunk
+    return -1
 
 
 @cached_njit(inline="always")
@@ -453,9 +488,8 @@ def serve(block, yield_address, sleep_address):
     sleep = SHORTEST_SLEEP
     woken = False  # by a job: spin after it even while callers run alone (a probe)
     while atomic_load(block, STOP) == 0:
-        word = atomic_load(block, CLAIM)
-        chunk = word & CHUNK_MASK
-        if chunk < atomic_load(block, CHUNKS) and compare_exchange(block, CLAIM, word, word + 1):
+        chunk = try_claim(block, atomic_load(block, CLAIM))
+        if chunk >= 0:
             # The chunk is ours: its job is live and its arguments stay put until the
             # caller has seen FINISHED count it.
             call_runner(atomic_load(block, RUNNER), block, chunk)
