@@ -564,10 +564,16 @@ def shared_outputs_error() -> ValueError:
 def offset_error(batch_index: int | None, value: int, seq_len: int, n_positions: int) -> IndexError:
     """The ``IndexError`` for an offset whose positions leave the caches."""
     where = "position_offset" if batch_index is None else f"position_offset[{batch_index}]"
+    if n_positions < seq_len:  # no offset fits: say so rather than name an empty range
+        rule = (
+            f"no offset fits seq_len {seq_len} in {n_positions} rows; this offset needs "
+            f"caches of at least {max(value, 0) + seq_len} rows"
+        )
+    else:
+        rule = f"offsets must lie in [0, {n_positions - seq_len}] for seq_len {seq_len}"
     return IndexError(
         f"{where} = {value} puts positions {value}..{value + seq_len - 1} of the sequence "
-        f"outside the caches, which have {n_positions} rows: offsets must lie in [0, "
-        f"{n_positions - seq_len}] for seq_len {seq_len}"
+        f"outside the caches, which have {n_positions} rows: {rule}"
     )
 
 
@@ -576,7 +582,11 @@ def position_error(
 ) -> IndexError:
     """The ``IndexError`` for an out-of-range position id at a flat index."""
     where = tuple(int(i) for i in np.unravel_index(flat_index, position_ids_shape))
+    if n_positions == 0:  # no id is valid: say so rather than name an empty range
+        rule = "no position id is valid; give caches with a row for each position"
+    else:
+        rule = f"position ids must lie in [0, {n_positions - 1}]"
     return IndexError(
         f"position_ids{list(where)} = {value} is outside the caches, which have "
-        f"{n_positions} rows: position ids must lie in [0, {n_positions - 1}]"
+        f"{n_positions} rows: {rule}"
     )
