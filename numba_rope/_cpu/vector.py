@@ -233,8 +233,10 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     8, and return ``n``; steps of :data:`VECTOR_WIDTHS` pairs. float16 rows go two
     of the widest steps at a time first, each half of the row narrowed for both steps
     and stored as one vector (:meth:`_Stream.store_joined`): F16C's conversion bounds
-    these loops, and into a register it is cheaper than into memory (a float16 decode
-    step 0.85-0.91x the time, one-process A/B; see docs/performance.md).
+    these loops, and into a register it is cheaper than into memory (with the vector
+    widening of :func:`widen_span`, a float16 decode step 0.86-0.90x the time shared
+    with the helper thread and 0.975x the kernel alone, one-process A/B; see
+    docs/performance.md, "Tenth session").
 
     With ordinary stores (``nontemporal`` False) it is what LLVM's loop vectorizer
     makes of the element loop, without the tests it adds to every row (do the rows
@@ -495,8 +497,9 @@ def widen_span(typingctx, source, wide, length):
     row ``wide`` and return ``n``, ``length`` rounded down to a multiple of 8: steps of
     :data:`VECTOR_WIDTHS` elements (F16C's packed conversion for float16). LLVM's loop
     vectorizer left the element loop scalar (one ``vpinsrw`` and one scalar conversion
-    per element), which cost a float16 decode step a fifth of its time. Widening is
-    exact: the bits of :func:`~numba_rope._conversions.widen`."""
+    per element; a float16 decode step's kernel alone took 0.96-0.98x the time with
+    this, one-process A/B on the Zen 4 VM). Widening is exact: the bits of
+    :func:`~numba_rope._conversions.widen`."""
     rows = (source, wide)
     if not (
         all(isinstance(r, types.Array) and r.layout == "C" for r in rows)
