@@ -277,8 +277,9 @@ def test_a_claim_word_of_the_last_job_claims_nothing_of_the_next():
 def test_jobs_of_more_chunks_after_fewer_rotate_each_chunk_once(rng, monkeypatch):
     # The pattern of the race above, run for real: a job of 2 chunks, then one of 8
     # in place, alternately (separate in-place k and q calls of a GQA prefill). A
-    # chunk run twice is rotated twice. Timing decides whether the race is hit (about
-    # once in 20000 pairs of calls on the 2-core VM before the fix); this runs 4000.
+    # chunk run twice is rotated twice. Timing decides whether the race is hit (once
+    # in 1,400 to 20,000 pairs of calls on the 2-core VM before the fix, depending on
+    # the load); this runs 4000, and failed with the old order on that VM.
     if os.cpu_count() == 1:
         pytest.skip("one core: the helper may never run while the caller does")
     monkeypatch.setattr(config, "HELPER_SPIN_MICROSECONDS", 10**5)

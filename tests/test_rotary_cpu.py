@@ -520,9 +520,9 @@ def test_float16_halves_two_steps_at_a_time(rng, head_size, rotary_dim):
     # float16 rows of non-interleaved pairs go two vector steps at a time, both
     # steps' halves narrowed and stored as one vector (32 pairs), then at most one step
     # of 16 and one of 8, the rest element by element: half 32 (one double step), 64
-    # (two), 56 (32 + 16 + 8), 40 (32 + 8); rows and caches starting between 64-byte
-    # lines, in place and not, the inverse, and extremes (the largest float16, whose
-    # rotation may overflow, subnormals, NaN).
+    # (two), 56 (32 + 16 + 8), 40 (32 + 8); rows starting one element into their
+    # buffer (off 64-byte lines), in place and not, the inverse, and extremes (the
+    # largest float16, whose rotation may overflow, subnormals, NaN).
     shape = (2, 3, 5, head_size)
     buffer = rng.standard_normal((2, 3, 5, head_size + 1)).astype(np.float16)
     flat = buffer.reshape(-1)

@@ -254,22 +254,22 @@ def test_bad_ids_are_refused_even_when_there_is_nothing_to_rotate(device):
         numba_rope.rotary_embedding(x, cache, cache, position_offset=on(np.array([8, 0])))
 
 
-def test_caches_too_short_for_any_position_say_so():
+def test_caches_too_short_for_any_position_say_so(device):
     # Caches of 0 rows (or fewer rows than the sequence's tokens, with an offset) leave
-    # no valid id or offset: the message says that and how many rows would do, not an
-    # empty range such as [0, -1].
-    x = np.ones((1, 1, 3, 4), np.float32)
-    empty = np.ones((0, 2), np.float32)
+    # no valid id or offset: the message says so (and, for an offset, how many rows
+    # it needs), not an empty range such as [0, -1]. On the (simulated) GPU too.
+    on, _ = device
+    x = on(np.ones((1, 1, 3, 4), np.float32))
+    empty = on(np.ones((0, 2), np.float32))
     with pytest.raises(IndexError, match=r"which have 0 rows: no position id is valid"):
-        numba_rope.rotary_embedding(x, empty, empty, np.array([[0, 1, 2]]))
-    short = np.ones((2, 2), np.float32)
+        numba_rope.rotary_embedding(x, empty, empty, on(np.array([[0, 1, 2]])))
+    short = on(np.ones((2, 2), np.float32))
     with pytest.raises(
         IndexError,
         match=r"no offset fits seq_len 3 in 2 rows; this offset needs caches of at least 4 rows",
     ):
         numba_rope.rotary_embedding(x, short, short, position_offset=1)
     # with rows enough for some offsets, the range is named
+    four = on(np.ones((4, 2), np.float32))
     with pytest.raises(IndexError, match=r"offsets must lie in \[0, 1\] for seq_len 3"):
-        numba_rope.rotary_embedding(
-            x, np.ones((4, 2), np.float32), np.ones((4, 2), np.float32), position_offset=2
-        )
+        numba_rope.rotary_embedding(x, four, four, position_offset=2)
