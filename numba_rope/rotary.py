@@ -14,6 +14,9 @@ from numba_rope._dispatch import backend_for, is_scalar, library
 from numba_rope._validation import QK_NAMES, SINGLE_NAMES, check_call, check_flag
 from numba_rope.typing import Array, ArrayT, PositionIds, PositionOffset
 
+#: ``numpy.ndarray``, one global lookup on the small call's path rather than two.
+_ndarray = np.ndarray
+
 
 def rotary_embedding(
     input: ArrayT,
@@ -129,10 +132,10 @@ def rotary_embedding(
            [-1.,  1.,  1.,  1.]], dtype=float32)
     """
     key = None
-    if type(input) is np.ndarray and (check_position_ids is True or check_position_ids is False):
+    if type(input) is _ndarray and (check_position_ids is True or check_position_ids is False):
         if (
-            type(cos_cache) is np.ndarray
-            and (position_ids is None or type(position_ids) is np.ndarray)
+            type(cos_cache) is _ndarray
+            and (position_ids is None or type(position_ids) is _ndarray)
             and (interleaved is False or interleaved is True)
             and (inverse is False or inverse is True)
             and type(rotary_embedding_dim) is int
@@ -146,15 +149,12 @@ def rotary_embedding(
                 None if position_ids is None else position_ids.dtype,
                 interleaved, rotary_embedding_dim, layout, inverse, out is input, num_heads,
                 None if position_offset is None
-                else position_offset.dtype if type(position_offset) is np.ndarray
+                else position_offset.dtype if type(position_offset) is _ndarray
                 else type(position_offset),
             )  # fmt: skip
             fast = cpu_backend.FAST.get(fast_key)
             if fast is not None:
-                result = cpu_backend.run_fast(
-                    fast, input, None, cos_cache, sin_cache, position_ids, out, None,
-                    position_offset,
-                )  # fmt: skip
+                result = fast[0](input, cos_cache, sin_cache, position_ids, out, position_offset)
                 if result is not None:
                     return result
         # A NumPy call whose signature was validated before runs its plan directly.
@@ -380,13 +380,13 @@ position_offset, inverse, stream, check_position_ids
     """
     key = None
     if (
-        type(q) is np.ndarray
-        and type(k) is np.ndarray
+        type(q) is _ndarray
+        and type(k) is _ndarray
         and (check_position_ids is True or check_position_ids is False)
     ):
         if (
-            type(cos_cache) is np.ndarray
-            and (position_ids is None or type(position_ids) is np.ndarray)
+            type(cos_cache) is _ndarray
+            and (position_ids is None or type(position_ids) is _ndarray)
             and (interleaved is False or interleaved is True)
             and (inverse is False or inverse is True)
             and type(rotary_embedding_dim) is int
@@ -402,16 +402,15 @@ position_offset, inverse, stream, check_position_ids
                 None if position_ids is None else position_ids.dtype,
                 interleaved, rotary_embedding_dim, layout, inverse, out_q is q, num_heads,
                 None if position_offset is None
-                else position_offset.dtype if type(position_offset) is np.ndarray
+                else position_offset.dtype if type(position_offset) is _ndarray
                 else type(position_offset),
                 host_k.shape, out_k is k, num_kv_heads,
             )  # fmt: skip
             fast = cpu_backend.FAST.get(fast_key)
             if fast is not None:
-                results = cpu_backend.run_fast(
-                    fast, q, k, cos_cache, sin_cache, position_ids, out_q, out_k,
-                    position_offset,
-                )  # fmt: skip
+                results = fast[0](
+                    q, k, cos_cache, sin_cache, position_ids, out_q, out_k, position_offset
+                )
                 if results is not None:
                     return results
         key = cpu_backend.plan_key(

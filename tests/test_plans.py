@@ -281,14 +281,24 @@ def fast_runs(monkeypatch):
     """The calls that ran by a compiled plan, counted ``[ran, fell back]``, for one
     tensor (``"one"``) and for q and k (``"qk"``)."""
     counts = {"one": [0, 0], "qk": [0, 0]}
-    run_fast = cpu_backend.run_fast
 
-    def counting(fast, x, k, *args):
-        result = run_fast(fast, x, k, *args)
-        counts["one" if k is None else "qk"][result is None] += 1
-        return result
+    class CountingPlans(dict):
+        # cpu_backend.FAST, whose plans count their calls: one tensor's take 6
+        # arguments, q and k's 8 (cpu_backend.fast_call).
+        def get(self, key, default=None):
+            found = super().get(key, default)
+            if found is None:
+                return found
+            run = found[0]
 
-    monkeypatch.setattr(cpu_backend, "run_fast", counting)
+            def counting(*args):
+                result = run(*args)
+                counts["one" if len(args) == 6 else "qk"][result is None] += 1
+                return result
+
+            return (counting, *found[1:])
+
+    monkeypatch.setattr(cpu_backend, "FAST", CountingPlans())
     return counts
 
 
@@ -438,7 +448,7 @@ def test_compiled_plan_writes_nothing_when_it_refuses(rng):
     x, cos, sin, ids = make_case(rng, (1, 2, 3, 8), np.float32, n_positions=4)
     _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids))
     (fast,) = cpu_backend.FAST.values()
-    plan = fast[0]
+    plan = fast[1]
     out = np.full_like(x, 7.0)
     bad = ids.copy()
     bad[0, 1] = -1
@@ -712,18 +722,97 @@ def test_compiled_plan_of_q_and_k_leaves_other_calls_to_the_general_path(rng, fa
             out_q=buffer[: q.size].reshape(q.shape),
             out_k=buffer[q.size :].reshape(k.shape),
         ),
+        "float64 sin": lambda: numba_rope.rotary_embedding_qk(
+            q, k, cos, sin.astype(np.float64), ids, out_q=out_q, out_k=out_k
+        ),
+        "a list for sin": lambda: numba_rope.rotary_embedding_qk(
+            q, k, cos, sin.tolist(), ids, out_q=out_q, out_k=out_k
+        ),
+        "float16 out_q": lambda: numba_rope.rotary_embedding_qk(
+            q, k, cos, sin, ids, out_q=np.empty(q.shape, np.float16), out_k=out_k
+        ),
+        "float16 out_k": lambda: numba_rope.rotary_embedding_qk(
+            q, k, cos, sin, ids, out_q=out_q, out_k=np.empty(k.shape, np.float16)
+        ),
+        "a list for k": lambda: numba_rope.rotary_embedding_qk(
+            q, k.tolist(), cos, sin, ids, out_q=out_q, out_k=out_k
+        ),
     }
     ran, refused = fast_runs["qk"]
     with_plan = {name: _outcome(call) for name, call in calls.items()}
-    # Found by all but "k of other heads" (k's shape is in the key); run only for the
-    # last, two C-contiguous outputs apart in one buffer.
-    assert fast_runs["qk"] == [ran + 1, refused + len(calls) - 2]
+    # Found by all but "k of other heads" (k's shape is in the key) and "a list for k"
+    # (no key without arrays); run only for "outs of one buffer", two C-contiguous
+    # outputs apart in one buffer.
+    assert fast_runs["qk"] == [ran + 1, refused + len(calls) - 3]
     for name, call in calls.items():
         cpu_backend.FAST.clear()
         cpu_backend.PLANS.clear()
         assert with_plan[name] == _outcome(call), name
     assert with_plan["outputs sharing memory"][0] is ValueError
     assert with_plan["bad ids"][0] is IndexError
+    for name in ("float16 out_q", "float16 out_k", "a list for sin", "a list for k"):
+        assert with_plan[name][0] is TypeError, name
+
+
+def test_compiled_plans_of_heads_inside_tokens_leave_other_calls_to_the_general_path(
+    rng, fast_runs
+):
+    # Plans of 3-D inputs (views reshaped to bhsd) and of q and k with offsets: outputs
+    # of another shape and offsets they cannot take go to the general path, which
+    # gives what it gives without any plan.
+    x4, cos, sin, ids = make_case(rng, (2, 4, 3, 16), np.float32, n_positions=9)
+    k4 = rng.standard_normal((2, 2, 3, 16)).astype(np.float32)
+    x, k = (_heads_inside(a, "3-D")[0] for a in (x4, k4))
+    out, out_k = np.empty_like(x), np.empty_like(k)
+    kv = {"num_heads": 4, "num_kv_heads": 2}
+    offsets = np.array([0, 5])
+    _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids, out=out, num_heads=4))
+    _repeat(
+        lambda: numba_rope.rotary_embedding_qk(x, k, cos, sin, ids, out_q=out, out_k=out_k, **kv)
+    )
+    _repeat(
+        lambda: numba_rope.rotary_embedding_qk(
+            x, k, cos, sin, position_offset=offsets, out_q=out, out_k=out_k, **kv
+        )
+    )
+    assert fast_runs["one"][0] >= 1 and fast_runs["qk"][0] >= 2
+    calls = {
+        "4-D out": lambda: numba_rope.rotary_embedding(
+            x, cos, sin, ids, out=np.empty((2, 3, 4, 16), np.float32), num_heads=4
+        ),
+        "4-D out_q": lambda: numba_rope.rotary_embedding_qk(
+            x, k, cos, sin, ids, out_q=np.empty((2, 3, 4, 16), np.float32), out_k=out_k, **kv
+        ),
+        "4-D out_k": lambda: numba_rope.rotary_embedding_qk(
+            x, k, cos, sin, ids, out_q=out, out_k=np.empty((2, 3, 2, 16), np.float32), **kv
+        ),
+        "offsets of 2 axes": lambda: numba_rope.rotary_embedding_qk(
+            x, k, cos, sin, position_offset=offsets[:, None], out_q=out, out_k=out_k, **kv
+        ),
+        "strided offsets": lambda: numba_rope.rotary_embedding_qk(
+            x,
+            k,
+            cos,
+            sin,
+            position_offset=np.repeat(offsets, 2)[::2],
+            out_q=out,
+            out_k=out_k,
+            **kv,
+        ),
+    }
+    refused_one, refused_qk = fast_runs["one"][1], fast_runs["qk"][1]
+    with_plan = {name: _outcome(call) for name, call in calls.items()}
+    assert fast_runs["one"][1] == refused_one + 1
+    assert fast_runs["qk"][1] == refused_qk + 3  # strided offsets: copied, then run
+    for name, call in calls.items():
+        cpu_backend.FAST.clear()
+        cpu_backend.PLANS.clear()
+        assert with_plan[name] == _outcome(call), name
+    for name in ("4-D out", "4-D out_q", "4-D out_k", "offsets of 2 axes"):
+        assert with_plan[name][0] is ValueError, name
+    expected = [float32_contract(a, cos, sin, offsets[:, None] + np.arange(3)) for a in (x4, k4)]
+    assert_bitwise_equal(_as_bhsd(out, "3-D", 4), expected[0])
+    assert_bitwise_equal(_as_bhsd(out_k, "3-D", 2), expected[1])
 
 
 def test_threads_sharing_compiled_plans_get_their_own_bits(rng, fast_runs):

@@ -150,14 +150,22 @@ def work(_=None):
     return b"".join(a.tobytes() for a in (cos, sin, out, q_out, k_out, *repeated))
 
 plans_ran = []
-run_fast = backend.run_fast
 
-def counting_run_fast(*args):
-    result = run_fast(*args)
-    plans_ran.append(result is not None)
-    return result
+class CountingPlans(dict):  # backend.FAST, whose plans note whether they ran the call
+    def get(self, key, default=None):
+        found = super().get(key, default)
+        if found is None:
+            return found
+        run = found[0]
 
-backend.run_fast = counting_run_fast
+        def counting(*args):
+            result = run(*args)
+            plans_ran.append(result is not None)
+            return result
+
+        return (counting, *found[1:])
+
+backend.FAST = CountingPlans()
 expected = work()
 assert backend.FAST and plans_ran and all(plans_ran), "no compiled plan before the fork"
 plans_ran.clear()

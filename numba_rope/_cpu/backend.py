@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numba
@@ -46,6 +47,7 @@ from numba_rope._cpu.kernels import (
     first_bad_position,
     make_kernels,
     planned,
+    planned_one,
 )
 from numba_rope._cpu.vector import STREAM_ALIGNMENT
 from numba_rope._geometry import (
@@ -782,9 +784,10 @@ def make_plan(
 
 # -- compiled plans: the small calls that a program makes again and again ----------------
 
-#: Compiled plans by :func:`fast_key`: ``(plan, dtype, cache dtype, storage, cache
-#: storage, to_bhsd, x_split, k_split, runner)``, see :func:`remember_fast` and
-#: :func:`run_fast`. Emptied when a tuning constant of
+#: Compiled plans by :func:`fast_key`: ``(run, plan, runner)``, the function that runs
+#: a call by the plan (:func:`fast_call`), the plan (an int64 array, see
+#: :func:`~numba_rope._cpu.kernels.planned`) and the runner whose address the plan
+#: holds (kept alive with it); see :func:`remember_fast`. Emptied when a tuning constant of
 #: ``numba_rope.config`` changes (a plan is only made for a call that runs on the
 #: calling thread under the constants of that moment).
 FAST: dict[tuple, tuple] = {}
@@ -865,6 +868,7 @@ def remember_fast(
     caller's tensors need views to be BHSD (heads inside tokens) and the reshapes of
     3-D ones (None for 4-D, see :func:`~numba_rope._geometry.bhsd_steps`)."""
     x_view, k_view, cos_view, sin_view, out_view, out_k_view = views
+    to_bhsd, x_split, k_split = forms
     function = helper.runner(options, (x_view, k_view, cos_view, sin_view, positions))
     plan = np.zeros(PLAN_SLOTS, np.int64)
     plan[PLAN_RUNNER] = function.address
@@ -881,87 +885,127 @@ def remember_fast(
         FAST.clear()
     dtype, cache_dtype = key[1], key[2]  # fast_key holds (shape, dtype, cache dtype, ...)
     FAST[key] = (
+        fast_call(plan, dtype, cache_dtype, to_bhsd, x_split, k_split, k_view is not None),
         plan,
-        dtype,
-        cache_dtype,
-        storage_dtype(dtype),
-        storage_dtype(cache_dtype),
-        *forms,
         function,  # kept alive with the plan that holds its address
     )
 
 
-def run_fast(
-    fast: tuple,
-    x: Any,
-    k: Any,
-    cos: Any,
-    sin: Any,
-    position_ids: Any,
-    out: Any,
-    out_k: Any,
-    offset: Any = None,
-) -> Any:
-    """Run a call by the compiled plan ``fast`` (found by :func:`fast_key`: the input,
-    caches, ids and offsets are of its dtypes) and return its output (a tuple of both
-    for q and k), or return None, having written nothing, when it is not that plan's
-    call: k, ``sin_cache`` or an output of another type, dtype or shape, an offset
-    beyond int64 or offsets of another number of axes, or whatever
-    :func:`~numba_rope._cpu.kernels.planned` refuses. The general path then takes the
-    call. ``k`` and ``out_k`` are None for one tensor.
+def fast_call(
+    plan: np.ndarray,
+    dtype: np.dtype,
+    cache_dtype: np.dtype,
+    to_bhsd: bool,
+    x_split: tuple[int, ...] | None,
+    k_split: tuple[int, ...] | None,
+    two: bool,
+) -> Callable[..., Any]:
+    """The function that runs a call by the compiled plan ``plan`` (found by
+    :func:`fast_key`: the input, caches, ids and offsets are of its dtypes) and returns
+    its output (a tuple of both for q and k), or returns None, having written nothing,
+    when it is not that plan's call: k, ``sin_cache`` or an output of another type,
+    dtype or shape, an offset beyond int64 or offsets of another number of axes, or
+    whatever :func:`~numba_rope._cpu.kernels.planned` refuses. The general path then
+    takes the call.
 
-    Dtypes are compared by identity first (NumPy's native dtypes are one object each),
-    then by equality (an equal dtype can be another object: ``newbyteorder("=")``,
-    unpickled arrays), written out inline: a helper function would be a Python call
-    per comparison on the small call's path."""
-    plan, dtype, cache_dtype, storage, cache_storage, to_bhsd, x_split, k_split, _ = fast
-    if type(sin) is not np.ndarray or (sin.dtype is not cache_dtype and sin.dtype != cache_dtype):
-        return None
-    if offset is not None:
-        if type(offset) is int:
-            if not INT64_MIN <= offset <= INT64_MAX:
+    One tensor: ``run(x, cos, sin, position_ids, out, offset)``; q and k (``two``):
+    ``run(x, k, cos, sin, position_ids, out, out_k, offset)``. Made once per plan, with
+    what the plan decides (16-bit storage views, BHSD views of heads inside tokens)
+    settled here: a float32 seed call then checks only its arguments (about 0.3 us
+    less of Python than one function for every plan). Dtypes are compared by identity
+    first (NumPy's native dtypes are one object each), then by equality (an equal dtype
+    can be another object: ``newbyteorder("=")``, unpickled arrays), written out
+    inline: a helper function would be a Python call per comparison."""
+    storage, cache_storage = storage_dtype(dtype), storage_dtype(cache_dtype)
+    views = storage is not None or cache_storage is not None or to_bhsd
+    ndarray, empty = np.ndarray, np.empty
+
+    def view(array: np.ndarray, split: tuple[int, ...] | None) -> np.ndarray:
+        # An input or output as the kernels take it (bhsd_array with its steps made
+        # once: the plan checks the shapes).
+        if storage is not None:
+            array = array.view(storage)
+        if to_bhsd:
+            if split is not None:
+                array = array.reshape(split)
+            array = array.transpose(SWAP_HEADS_AND_TOKENS)
+        return array
+
+    if not two:
+
+        def run(x: Any, cos: Any, sin: Any, position_ids: Any, out: Any, offset: Any) -> Any:
+            if type(sin) is not ndarray or (
+                sin.dtype is not cache_dtype and sin.dtype != cache_dtype
+            ):
                 return None
-        elif offset.ndim != 1:  # an array of offsets (the key holds its dtype: int64)
+            if offset is not None:
+                position_ids = _fast_positions(offset)  # the kernels take offsets so
+                if position_ids is None:
+                    return None
+            if out is None:
+                out = empty(x.shape, dtype)
+            elif type(out) is not ndarray or (out.dtype is not dtype and out.dtype != dtype):
+                return None
+            if not views:
+                status = planned_one(x, cos, sin, position_ids, out, plan)
+            else:
+                if to_bhsd and out.shape != x.shape:
+                    return None  # (3-D outputs must have the input's shape to be reshaped)
+                if cache_storage is not None:
+                    cos, sin = cos.view(cache_storage), sin.view(cache_storage)
+                x_view, out_view = view(x, x_split), view(out, x_split)
+                status = planned_one(x_view, cos, sin, position_ids, out_view, plan)
+            return out if status == DONE else None
+
+        return run
+
+    def run_qk(
+        x: Any, k: Any, cos: Any, sin: Any, position_ids: Any, out: Any, out_k: Any, offset: Any
+    ) -> Any:
+        if type(sin) is not ndarray or (sin.dtype is not cache_dtype and sin.dtype != cache_dtype):
             return None
-        elif not (offset.flags.c_contiguous and offset.flags.writeable):
-            offset = offset.astype(np.int64)  # the arrays' type of the plan, as make_plan
-        position_ids = offset  # the kernels take offsets as positions
-    if out is None:
-        out = np.empty(x.shape, dtype)
-    elif type(out) is not np.ndarray or (out.dtype is not dtype and out.dtype != dtype):
-        return None
-    if k is not None:
-        if type(k) is not np.ndarray or (k.dtype is not dtype and k.dtype != dtype):
+        if type(k) is not ndarray or (k.dtype is not dtype and k.dtype != dtype):
+            return None
+        if offset is not None:
+            position_ids = _fast_positions(offset)
+            if position_ids is None:
+                return None
+        if out is None:
+            out = empty(x.shape, dtype)
+        elif type(out) is not ndarray or (out.dtype is not dtype and out.dtype != dtype):
             return None
         if out_k is None:
-            out_k = np.empty(k.shape, dtype)
-        elif type(out_k) is not np.ndarray or (out_k.dtype is not dtype and out_k.dtype != dtype):
+            out_k = empty(k.shape, dtype)
+        elif type(out_k) is not ndarray or (out_k.dtype is not dtype and out_k.dtype != dtype):
             return None
-    x_view, k_view, out_view, out_k_view = x, k, out, out_k
-    if storage is not None:
-        x_view, out_view = x.view(storage), out.view(storage)
-        if k is not None:
-            k_view, out_k_view = k.view(storage), out_k.view(storage)
-    if cache_storage is not None:
-        cos, sin = cos.view(cache_storage), sin.view(cache_storage)
-    if to_bhsd:  # bhsd_array with its steps made once: the plan checks the shapes
-        if out.shape != x.shape or (k is not None and out_k.shape != k.shape):
-            return None  # (3-D outputs must have the input's shape to be reshaped)
-        if x_split is not None:
-            x_view, out_view = x_view.reshape(x_split), out_view.reshape(x_split)
-        x_view, out_view = (
-            x_view.transpose(SWAP_HEADS_AND_TOKENS),
-            out_view.transpose(SWAP_HEADS_AND_TOKENS),
-        )
-        if k is not None:
-            if k_split is not None:
-                k_view, out_k_view = k_view.reshape(k_split), out_k_view.reshape(k_split)
-            k_view = k_view.transpose(SWAP_HEADS_AND_TOKENS)
-            out_k_view = out_k_view.transpose(SWAP_HEADS_AND_TOKENS)
-    status = planned(x_view, k_view, cos, sin, position_ids, out_view, out_k_view, plan)
-    if status != DONE:
+        if not views:
+            status = planned(x, k, cos, sin, position_ids, out, out_k, plan)
+        else:
+            if to_bhsd and (out.shape != x.shape or out_k.shape != k.shape):
+                return None
+            if cache_storage is not None:
+                cos, sin = cos.view(cache_storage), sin.view(cache_storage)
+            status = planned(
+                view(x, x_split), view(k, k_split), cos, sin, position_ids,
+                view(out, x_split), view(out_k, k_split), plan,
+            )  # fmt: skip
+        return (out, out_k) if status == DONE else None
+
+    return run_qk
+
+
+def _fast_positions(offset: Any) -> Any:
+    """A compiled plan's position offset as the kernels take it (a Python ``int`` as
+    is, a 1-D array of int64 offsets C-contiguous and writable, as :func:`make_plan`
+    passes them), or None where the plan cannot take it: an ``int`` beyond int64,
+    offsets of another number of axes."""
+    if type(offset) is int:
+        return offset if INT64_MIN <= offset <= INT64_MAX else None
+    if offset.ndim != 1:  # an array of offsets (the key holds its dtype: int64)
         return None
-    return out if k is None else (out, out_k)
+    if not (offset.flags.c_contiguous and offset.flags.writeable):
+        return offset.astype(np.int64)  # the arrays' type of the plan, as make_plan
+    return offset
 
 
 def _forget_fast() -> None:
