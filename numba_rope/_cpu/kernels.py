@@ -761,7 +761,12 @@ PLAN_SIN = PLAN_COS + PLAN_SHAPE_SLOTS
 PLAN_POSITIONS = PLAN_SIN + PLAN_SHAPE_SLOTS
 PLAN_OUT = PLAN_POSITIONS + PLAN_SHAPE_SLOTS
 PLAN_OUT_K = PLAN_OUT + PLAN_SHAPE_SLOTS
-PLAN_SLOTS = PLAN_OUT_K + PLAN_SHAPE_SLOTS
+#: The control block a plan's call hands its runner (``relay.BLOCK_SLOTS`` slots),
+#: written afresh by each call: part of the plan rather than allocated per call (an
+#: allocation and a free, against a 5 us call). The calls of one plan never overlap:
+#: :func:`planned` holds the GIL (it is not ``nogil``), and nothing in it calls back.
+PLAN_BLOCK = PLAN_OUT_K + PLAN_SHAPE_SLOTS
+PLAN_SLOTS = PLAN_BLOCK + relay.BLOCK_SLOTS
 
 
 def _shape_is(array, plan, slot):  # pragma: no cover - see overload
@@ -838,9 +843,10 @@ def run_planned(x, k, cos, sin, positions, out, out_k, plan):
     ``plan`` (see ``PLAN_*``) was written when a call of these dtypes and options was
     validated (the caller compares the dtypes: this function is compiled for any).
     The rotation is done by the plan's runner (:func:`make_runner`, the helper's
-    function for the same kernel options), given all units as one chunk, through a
-    control block made here: one compiled function for every kind of kernel, whose own
-    compilation is small, and a call to it costs one numba dispatch.
+    function for the same kernel options), given all units as one chunk, through the
+    control block held in the plan (``PLAN_BLOCK``): one compiled function for every
+    kind of kernel, whose own compilation is small, and a call to it costs one numba
+    dispatch.
     """
     if not (
         _shape_is(x, plan, PLAN_X)
@@ -867,7 +873,7 @@ def run_planned(x, k, cos, sin, positions, out, out_k, plan):
         return NOT_PLANNED
     tile = plan[PLAN_TILE]
     n_units = _n_units(x.shape[0], x.shape[2], tile, 1)
-    block = np.empty(relay.BLOCK_SLOTS, np.int64)
+    block = plan[PLAN_BLOCK:]
     relay.store_job(block, x, out, cos, sin, positions, plan[PLAN_ROTARY_DIM], tile, 1, n_units)
     if k is not None:
         relay.store_array(block, relay.K_AT, k)
