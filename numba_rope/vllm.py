@@ -313,9 +313,11 @@ def _check_positions(positions: np.ndarray, rows: int) -> None:
     bad = np.flatnonzero((flat < 0) | (flat >= rows))
     if bad.size:
         where = ", ".join(str(int(i)) for i in np.unravel_index(int(bad[0]), positions.shape))
+        # A cache of no rows: say so rather than name the empty range [0, -1].
+        rule = f"positions must lie in [0, {rows - 1}]" if rows else "no position is valid"
         raise IndexError(
             f"positions[{where}] = {flat[bad[0]]} is outside cos_sin_cache, which has {rows} "
-            f"rows: positions must lie in [0, {rows - 1}]; build a longer cache "
+            f"rows: {rule}; build a longer cache "
             f"(numba_rope.vllm.make_cos_sin_cache(max_position, rotary_dim))"
         )
 

@@ -282,6 +282,11 @@ def test_make_cos_sin_cache_is_cos_then_sin():
         ({"is_neox": 1}, TypeError, ["bool"]),
         ({"positions": np.array([0, 1, 16, 2])}, IndexError, ["positions[2] = 16", "16 rows"]),
         ({"positions": np.array([0, -1, 2, 3])}, IndexError, ["positions[1] = -1", "[0, 15]"]),
+        (
+            {"cache": np.zeros((0, 8), np.float32)},
+            IndexError,
+            ["positions[0] = 0", "0 rows: no position is valid", "make_cos_sin_cache"],
+        ),
         ({"positions": np.array([0.0, 1.0, 2.0, 3.0])}, TypeError, ["position_ids"]),
     ],
 )

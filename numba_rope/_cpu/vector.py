@@ -118,11 +118,7 @@ class _Stream:
         """``value`` narrowed to ``numba_type``, stored at ``index``: non-temporally
         (:meth:`nontemporal_store`), or an ordinary store."""
         narrowed = narrow_code(self.builder, numba_type, value)
-        pointer = self.pointer(array, index, lanes)
-        if nontemporal:
-            self.nontemporal_store(narrowed, pointer)
-        else:
-            self.builder.store(narrowed, pointer).align = numba_type.bitwidth // 8
+        self.put(narrowed, array, index, lanes, numba_type, nontemporal)
 
     def store_joined(self, first, second, lanes, array, index, numba_type, nontemporal):
         """Two vectors narrowed to ``numba_type`` each, joined by the shuffle ``lanes``
@@ -135,11 +131,16 @@ class _Stream:
             narrow_code(self.builder, numba_type, second),
             lanes,
         )
-        pointer = self.pointer(array, index, len(lanes))
+        self.put(joined, array, index, len(lanes), numba_type, nontemporal)
+
+    def put(self, vector, array, index, lanes, numba_type, nontemporal):
+        """``vector`` (``lanes`` elements of ``numba_type``) stored at ``index``:
+        non-temporally (:meth:`nontemporal_store`), or an ordinary store."""
+        pointer = self.pointer(array, index, lanes)
         if nontemporal:
-            self.nontemporal_store(joined, pointer)
+            self.nontemporal_store(vector, pointer)
         else:
-            self.builder.store(joined, pointer).align = numba_type.bitwidth // 8
+            self.builder.store(vector, pointer).align = numba_type.bitwidth // 8
 
     def load_words(self, array, index, lanes):
         """``lanes`` 32-bit words of 16-bit storage from element ``index``."""
@@ -493,9 +494,9 @@ def vector_pairs(
 
 @intrinsic
 def widen_span(typingctx, source, wide, length):
-    """Widen elements ``[0, n)`` of a contiguous row of 16-bit storage into the float32
-    row ``wide`` and return ``n``, ``length`` rounded down to a multiple of 8: steps of
-    :data:`VECTOR_WIDTHS` elements (F16C's packed conversion for float16). LLVM's loop
+    """Widen elements ``[0, n)`` of a contiguous row of float16 storage (uint16) into
+    the float32 row ``wide`` and return ``n``, ``length`` rounded down to a multiple of
+    8: steps of :data:`VECTOR_WIDTHS` elements (F16C's packed conversion). LLVM's loop
     vectorizer left the element loop scalar (one ``vpinsrw`` and one scalar conversion
     per element; a float16 decode step's kernel alone took 0.96-0.98x the time with
     this, one-process A/B on the Zen 4 VM). Widening is exact: the bits of
@@ -503,8 +504,8 @@ def widen_span(typingctx, source, wide, length):
     rows = (source, wide)
     if not (
         all(isinstance(r, types.Array) and r.layout == "C" for r in rows)
-        and source.dtype in (types.uint16, types.int16)
-        and wide.dtype == types.float32
+        and source.dtype == types.uint16  # bfloat16 rows (int16) are widened by shifts,
+        and wide.dtype == types.float32  # which LLVM vectorizes: no kernel needs them here
     ):
         return None
 
