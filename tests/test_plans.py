@@ -466,10 +466,32 @@ def test_compiled_plans_are_forgotten_when_a_constant_changes(rng, monkeypatch, 
     x, cos, sin, ids = make_case(rng, (1, 2, 3, 8), np.float32)
     _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids))
     assert cpu_backend.FAST
+    original = config.HELPER_MIN_ELEMENTS
     monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", 0)
     assert not cpu_backend.FAST
     got = _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids))
     assert not cpu_backend.FAST  # now a helper job, never a compiled plan
+    assert_bitwise_equal(got, float32_contract(x, cos, sin, ids))
+    # The constant back: the signature gets its compiled plan again.
+    config.HELPER_MIN_ELEMENTS = original
+    ran = fast_runs["one"][0]
+    got = _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids))
+    assert cpu_backend.FAST and fast_runs["one"][0] == ran + 1
+    assert_bitwise_equal(got, float32_contract(x, cos, sin, ids))
+
+
+def test_signatures_forgotten_when_the_table_is_full_get_compiled_plans_again(
+    rng, monkeypatch, fast_runs
+):
+    monkeypatch.setattr(cpu_backend, "MAX_PLANS", 2)
+    cases = [make_case(rng, (1, 2, seq_len, 8), np.float32) for seq_len in (1, 2, 3)]
+    for x, cos, sin, ids in cases:  # the third's plan empties the full table
+        _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids))  # noqa: B023
+    assert len(cpu_backend.FAST) == 1
+    x, cos, sin, ids = cases[0]
+    ran = fast_runs["one"][0]
+    got = _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids))
+    assert len(cpu_backend.FAST) == 2 and fast_runs["one"][0] == ran + 1
     assert_bitwise_equal(got, float32_contract(x, cos, sin, ids))
 
 

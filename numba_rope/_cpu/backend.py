@@ -787,9 +787,9 @@ def make_plan(
 #: Compiled plans by :func:`fast_key`: ``(run, plan, runner)``, the function that runs
 #: a call by the plan (:func:`fast_call`), the plan (an int64 array, see
 #: :func:`~numba_rope._cpu.kernels.planned`) and the runner whose address the plan
-#: holds (kept alive with it); see :func:`remember_fast`. Emptied when a tuning constant of
-#: ``numba_rope.config`` changes (a plan is only made for a call that runs on the
-#: calling thread under the constants of that moment).
+#: holds (kept alive with it); see :func:`remember_fast`. Emptied, with ``PLANS``, when
+#: a tuning constant of ``numba_rope.config`` changes (a plan is only made for a call
+#: that runs on the calling thread under the constants of that moment) and when full.
 FAST: dict[tuple, tuple] = {}
 
 #: Calls a Python plan runs (see :func:`make_plan`) before its signature gets a compiled
@@ -882,7 +882,7 @@ def remember_fast(
             plan[slot] = array.ndim
             plan[slot + 1 : slot + 1 + array.ndim] = array.shape
     if len(FAST) >= MAX_PLANS:
-        FAST.clear()
+        _forget_fast()
     dtype, cache_dtype = key[1], key[2]  # fast_key holds (shape, dtype, cache dtype, ...)
     FAST[key] = (
         fast_call(plan, dtype, cache_dtype, to_bhsd, x_split, k_split, k_view is not None),
@@ -1009,7 +1009,11 @@ def _fast_positions(offset: Any) -> Any:
 
 
 def _forget_fast() -> None:
+    """Forget the compiled plans, and the Python plans with them: a Python plan makes
+    its signature's compiled plan once (:func:`make_plan`'s countdown), so one left in
+    ``PLANS`` would run every later call of a forgotten signature itself."""
     FAST.clear()
+    PLANS.clear()
 
 
 config.on_change(_forget_fast)
