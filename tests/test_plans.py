@@ -480,6 +480,23 @@ def test_compiled_plans_are_forgotten_when_a_constant_changes(rng, monkeypatch, 
     assert_bitwise_equal(got, float32_contract(x, cos, sin, ids))
 
 
+def test_calls_in_place_after_calls_out_of_place_get_a_compiled_plan_too(rng, fast_runs):
+    # One Python plan serves both; each gets a compiled plan of its own, whichever
+    # came first.
+    x, cos, sin, ids = make_case(rng, (1, 2, 3, 8), np.float32)
+    out = np.empty_like(x)
+    _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids, out=out))
+    ran = fast_runs["one"][0]
+
+    def in_place():
+        y = x.copy()
+        return numba_rope.rotary_embedding(y, cos, sin, ids, out=y)
+
+    got = _repeat(in_place)  # the Python plan exists: 8 calls count down, 2 run compiled
+    assert len(cpu_backend.FAST) == 2 and fast_runs["one"][0] == ran + 2
+    assert_bitwise_equal(got, float32_contract(x, cos, sin, ids))
+
+
 def test_signatures_forgotten_when_the_table_is_full_get_compiled_plans_again(
     rng, monkeypatch, fast_runs
 ):

@@ -619,7 +619,8 @@ def make_plan(
     ``rotary_embedding_dim``, ``layout``, ``inverse``, ``num_heads``, ``num_kv_heads``),
     for :func:`fast_key`. A plan whose calls run on the calling thread alone
     (:func:`_fast_candidate`) gives its signature a compiled plan
-    (:func:`remember_fast`) after ``FAST_AFTER`` calls with contiguous rows.
+    (:func:`remember_fast`) after ``FAST_AFTER`` calls with contiguous rows, counted
+    apart for calls in place and out of place (compiled plans of their own).
     """
     # One function with a closure, not helpers: everything the plan can decide once is
     # decided here, and each helper call on its path would cost the small call a
@@ -672,10 +673,10 @@ def make_plan(
         return found
 
     distinct_strides: dict[tuple[int, ...], bool] = {}  # outputs that are not C-contiguous
-    # Calls to run before remember_fast: a count in a list, which the plan can change.
-    countdown = [0]
-    if _fast_candidate(call, inputs, key_options, position_offset):
-        countdown[0] = FAST_AFTER
+    # Calls left to run before remember_fast, by in_place (whether out is x, out_k is
+    # k): calls in place and out of place share this plan but not a compiled one.
+    candidate = _fast_candidate(call, inputs, key_options, position_offset)
+    countdowns: dict[int, int] = {}
 
     def distinct(out) -> bool:
         found = distinct_strides.get(out.strides)
@@ -766,9 +767,10 @@ def make_plan(
                 x_view, k_view, cos, sin, positions, out_view, out_k_view, rotary_dim,
                 True, config.TOKENS_PER_TILE, 1,
             )  # fmt: skip
-            if countdown[0] and status == DONE and contiguous:
-                countdown[0] -= 1
-                if not countdown[0]:
+            left = countdowns.get(in_place, FAST_AFTER) if candidate else 0
+            if left and status == DONE and contiguous:
+                countdowns[in_place] = left - 1
+                if left == 1:
                     remember_fast(
                         fast_key(x, k, cache, position_ids, out, out_k, *key_options, offset),
                         options, rotary_dim, positions,
@@ -1010,7 +1012,7 @@ def _fast_positions(offset: Any) -> Any:
 
 def _forget_fast() -> None:
     """Forget the compiled plans, and the Python plans with them: a Python plan makes
-    its signature's compiled plan once (:func:`make_plan`'s countdown), so one left in
+    its signature's compiled plan once (:func:`make_plan`'s countdowns), so one left in
     ``PLANS`` would run every later call of a forgotten signature itself."""
     FAST.clear()
     PLANS.clear()
