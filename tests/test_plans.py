@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from oracles import BFLOAT16, assert_bitwise_equal, float32_contract, make_case
+from plan_counting import counting_plans
 
 import numba_rope
 from numba_rope import config
@@ -282,23 +283,10 @@ def fast_runs(monkeypatch):
     tensor (``"one"``) and for q and k (``"qk"``)."""
     counts = {"one": [0, 0], "qk": [0, 0]}
 
-    class CountingPlans(dict):
-        # cpu_backend.FAST, whose plans count their calls: one tensor's take 6
-        # arguments, q and k's 8 (cpu_backend.fast_call).
-        def get(self, key, default=None):
-            found = super().get(key, default)
-            if found is None:
-                return found
-            run = found[0]
+    def note(kind, ran):
+        counts[kind][not ran] += 1
 
-            def counting(*args):
-                result = run(*args)
-                counts["one" if len(args) == 6 else "qk"][result is None] += 1
-                return result
-
-            return (counting, *found[1:])
-
-    monkeypatch.setattr(cpu_backend, "FAST", CountingPlans())
+    monkeypatch.setattr(cpu_backend, "FAST", counting_plans(note))
     return counts
 
 
