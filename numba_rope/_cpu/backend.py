@@ -941,7 +941,7 @@ def fast_call(
             ):
                 return None
             if offset is not None:
-                position_ids = _fast_positions(offset)  # the kernels take offsets so
+                position_ids = _fast_positions(offset)  # offsets stand in for the ids
                 if position_ids is None:
                     return None
             if out is None:
