@@ -346,6 +346,15 @@ def _outcome(call):
     return [(r.dtype, r.shape, r.tobytes()) for r in results]
 
 
+def _assert_same_without_plans(calls, with_plan):
+    """Each of ``calls`` gives, with every plan forgotten (the general path alone), what
+    it gave with the plans (``with_plan``, by :func:`_outcome`)."""
+    for name, call in calls.items():
+        cpu_backend.FAST.clear()
+        cpu_backend.PLANS.clear()
+        assert with_plan[name] == _outcome(call), name
+
+
 def test_compiled_plan_leaves_other_calls_to_the_general_path(rng, fast_runs):
     # Calls that look like the planned one (same input shape, dtype and options) but
     # are not: each gives what it gives without any plan, having written nothing
@@ -415,10 +424,7 @@ def test_compiled_plan_leaves_other_calls_to_the_general_path(rng, fast_runs):
     assert fast_runs["one"] == [ran, len(calls)]
     calls.update(others)
     assert cpu_backend.FAST
-    for name, call in calls.items():
-        cpu_backend.FAST.clear()
-        cpu_backend.PLANS.clear()
-        assert with_plan[name] == _outcome(call), name
+    _assert_same_without_plans(calls, with_plan)
     assert with_plan["bad ids"][0] is IndexError
     assert with_plan["read-only out"][0] is ValueError
     assert with_plan["out overlapping itself"][0] is ValueError
@@ -671,10 +677,7 @@ def test_compiled_plan_of_offsets_leaves_other_calls_to_the_general_path(rng, fa
         ),
     }
     with_plan = {name: _outcome(call) for name, call in calls.items()}
-    for name, call in calls.items():
-        cpu_backend.FAST.clear()
-        cpu_backend.PLANS.clear()
-        assert with_plan[name] == _outcome(call), name
+    _assert_same_without_plans(calls, with_plan)
     for name in ("bad offset", "negative offset", "uint64 beyond int64", "offset beyond int64"):
         assert with_plan[name][0] is IndexError, name
     assert with_plan["offsets of 2 axes"][0] is ValueError
@@ -771,10 +774,7 @@ def test_compiled_plan_of_q_and_k_leaves_other_calls_to_the_general_path(rng, fa
     # (no key without arrays); run only for "outs of one buffer", two C-contiguous
     # outputs apart in one buffer.
     assert fast_runs["qk"] == [ran + 1, refused + len(calls) - 3]
-    for name, call in calls.items():
-        cpu_backend.FAST.clear()
-        cpu_backend.PLANS.clear()
-        assert with_plan[name] == _outcome(call), name
+    _assert_same_without_plans(calls, with_plan)
     assert with_plan["outputs sharing memory"][0] is ValueError
     assert with_plan["bad ids"][0] is IndexError
     for name in ("float16 out_q", "float16 out_k", "a list for sin", "a list for k"):
@@ -831,10 +831,7 @@ def test_compiled_plans_of_heads_inside_tokens_leave_other_calls_to_the_general_
     with_plan = {name: _outcome(call) for name, call in calls.items()}
     assert fast_runs["one"][1] == refused_one + 1
     assert fast_runs["qk"][1] == refused_qk + 3  # strided offsets: copied, then run
-    for name, call in calls.items():
-        cpu_backend.FAST.clear()
-        cpu_backend.PLANS.clear()
-        assert with_plan[name] == _outcome(call), name
+    _assert_same_without_plans(calls, with_plan)
     for name in ("4-D out", "4-D out_q", "4-D out_k", "offsets of 2 axes"):
         assert with_plan[name][0] is ValueError, name
     expected = [float32_contract(a, cos, sin, offsets[:, None] + np.arange(3)) for a in (x4, k4)]
