@@ -18,16 +18,29 @@ whether this process may run parallel regions, and whether the JIT compiler is o
 * ``NUMBA_DISABLE_JIT=1`` turns ``@njit`` functions into plain Python, in which the
   rotation kernels cannot run (they are built from numba intrinsics and overloads):
   :func:`require_jit` raises a clear error instead.
+* Processes that share a cache location compile each kernel once between them (POSIX):
+  a process about to compile a signature waits while another compiles it, then loads
+  that one's result from the cache; and no two processes write one function's cache
+  index at once. numba's own cache does neither: its index of a function's compiled
+  signatures is read, extended and written back unlocked, so of two processes saving
+  at once one entry is lost, and both may pick the same data file name, leaving an
+  index entry that names the other signature's machine code. See
+  :func:`compiled_once_across_processes`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numba
 from numba.core import config as numba_config
+from numba.core import sigutils
+from numba.core.ccallback import CFunc
+from numba.core.compiler_lock import global_compiler_lock
 from numba.np.ufunc import parallel as _numba_parallel
 
 #: What ``numba.njit(cache=True)`` raises when no cache location is usable.
@@ -41,28 +54,141 @@ def cached_njit(**options: Any) -> Callable[[Callable], Any]:
 
     def decorate(function: Callable) -> Any:
         try:
-            return numba.njit(cache=True, **options)(function)
+            dispatcher = numba.njit(cache=True, **options)(function)
         except RuntimeError as error:
             if _NO_LOCATOR not in str(error):
                 raise
-        return numba.njit(**options)(function)
+            return numba.njit(**options)(function)
+        compiled_once_across_processes(dispatcher)
+        return dispatcher
 
     return decorate
 
 
 def cached_cfunc(signature: Any, **options: Any) -> Callable[[Callable], Any]:
-    """``numba.cfunc(signature, cache=True, **options)``, compiled in memory where numba
-    finds no usable cache location (see :func:`cached_njit`)."""
+    """``numba.cfunc(signature, cache=True, **options)`` (what that decorator does,
+    with its cache index read and written under :func:`index_lock`), compiled in memory
+    where numba finds no usable cache location (see :func:`cached_njit`)."""
 
     def decorate(function: Callable) -> Any:
+        callback = CFunc(function, sigutils.normalize_signature(signature), {}, options)
         try:
-            return numba.cfunc(signature, cache=True, **options)(function)
+            callback.enable_caching()
         except RuntimeError as error:
             if _NO_LOCATOR not in str(error):
                 raise
-        return numba.cfunc(signature, **options)(function)
+            return numba.cfunc(signature, **options)(function)
+        _index_locked(callback)
+        callback.compile()
+        return callback
 
     return decorate
+
+
+# -- one compilation across processes ------------------------------------------------------
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: numba's cache as it is
+    fcntl = None  # type: ignore[assignment]
+
+#: The file whose byte ranges are the locks, one per cache directory.
+LOCK_FILE = "numba_rope.lock"
+
+_lock_fds: dict[str, int] = {}
+
+
+@contextlib.contextmanager
+def cache_lock(directory: str, name: str) -> Iterator[None]:
+    """Hold, across processes, the lock called ``name`` in the cache ``directory``: a
+    byte of :data:`LOCK_FILE` there, at an offset hashed from the name (POSIX record
+    locks: released when the process ends, however it ends; not inherited by ``fork``
+    children). Where the lock cannot be taken (no such file can be made, a file system
+    without locks, a deadlock the kernel reports), the block runs unlocked: numba's
+    cache as it is without this module."""
+    offset = int(hashlib.sha256(name.encode()).hexdigest()[:15], 16)
+    fd = _lock_fds.get(directory)
+    try:
+        if fd is None:
+            # One descriptor per file and process, never closed: closing any descriptor
+            # of a file drops every record lock the process holds on it.
+            fd = _lock_fds[directory] = os.open(
+                os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666
+            )
+        fcntl.lockf(fd, fcntl.LOCK_EX, 1, offset)
+    except OSError:
+        fd = None
+    try:
+        yield
+    finally:
+        if fd is not None:
+            fcntl.lockf(fd, fcntl.LOCK_UN, 1, offset)
+
+
+def compile_lock(dispatcher: Any, sig: Any) -> contextlib.AbstractContextManager[None]:
+    """The lock a caching dispatcher of :func:`cached_njit` takes, across processes,
+    to compile ``sig``: named after numba's own cache key of the signature (the
+    signature, the target CPU and the hashes of the function's code and closure
+    cells)."""
+    index_path = dispatcher._cache._cache_file._index_path
+    key = dispatcher._cache._index_key(sig, dispatcher.targetctx.codegen())
+    return cache_lock(os.path.dirname(index_path), f"compile {index_path} {key!r}")
+
+
+def index_lock(compiled: Any) -> contextlib.AbstractContextManager[None]:
+    """The lock a caching dispatcher of :func:`cached_njit` (or C callback of
+    :func:`cached_cfunc`) takes, across processes, to read or write its cache index."""
+    index_path = compiled._cache._cache_file._index_path
+    return cache_lock(os.path.dirname(index_path), f"index {index_path}")
+
+
+def compiled_once_across_processes(dispatcher: Any) -> None:
+    """Make a caching dispatcher compile each signature once across the processes that
+    share its cache location, and read and write its cache index one process at a time.
+
+    Its ``compile`` takes :func:`compile_lock` before compiling a signature new to the
+    process: a process that finds it taken waits, then finds the other process's
+    result in the cache and loads it. Its cache file's ``save`` and ``load`` take
+    :func:`index_lock`, so that an entry is never lost or paired with another entry's
+    data file (see the module's docstring). Compilation within a process holds numba's
+    compiler lock; it is taken first here too, so that a thread never waits on a file
+    lock held by another thread of its own process that waits for the compiler lock.
+    Without ``fcntl`` (Windows), or on a numba whose cache lacks these attributes, the
+    dispatcher is left as it is."""
+    if not _index_locked(dispatcher):
+        return  # pragma: no cover - Windows, or another numba
+    compile_now = dispatcher.compile
+
+    def compile(sig: Any) -> Any:
+        with global_compiler_lock:
+            if tuple(sigutils.normalize_signature(sig)[0]) in dispatcher.overloads:
+                return compile_now(sig)  # compiled or loaded before: no lock, no key
+            with compile_lock(dispatcher, sig):
+                return compile_now(sig)
+
+    dispatcher.compile = compile
+
+
+def _index_locked(compiled: Any) -> bool:
+    """Make the cache file of a caching dispatcher or C callback read and write its
+    index under :func:`index_lock`; False (and nothing changed) without ``fcntl`` or
+    on a numba whose cache lacks the attributes used here."""
+    cache: Any = getattr(compiled, "_cache", None)
+    cache_file: Any = getattr(cache, "_cache_file", None)
+    if fcntl is None or not hasattr(cache_file, "_index_path") or not hasattr(cache, "_index_key"):
+        return False  # pragma: no cover - Windows, or another numba
+    save, load = cache_file.save, cache_file.load
+
+    def save_locked(key: Any, data: Any) -> None:
+        with index_lock(compiled):
+            save(key, data)
+
+    def load_locked(key: Any) -> Any:
+        with index_lock(compiled):
+            return load(key)
+
+    cache_file.save, cache_file.load = save_locked, load_locked
+    return True
 
 
 # -- parallel regions after fork -----------------------------------------------------------

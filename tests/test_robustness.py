@@ -1,14 +1,16 @@
 """numba_rope in hostile processes, each test in a subprocess of its own: a child forked
-after parallel calls, a read-only install with no writable cache location, and numba's
-JIT turned off."""
+after parallel calls, a read-only install with no writable cache location, numba's JIT
+turned off, and processes compiling into one cache location at once."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -256,3 +258,153 @@ print("ok")
 """
     result = _run(code, _env(ROOT, NUMBA_DISABLE_JIT="1", NUMBA_ENABLE_CUDASIM="1"), ROOT)
     assert "ok" in result.stdout
+
+
+# -- processes sharing a cache location ----------------------------------------------------
+
+SHARED_MODULE = """
+from numba import types
+
+from numba_rope._jit import cached_cfunc, cached_njit
+
+@cached_njit()
+def add(a, b):
+    return a + b
+
+@cached_cfunc(types.float64(types.float64))
+def twice(a):
+    return 2.0 * a
+"""
+
+#: A process that imports the shared module, says so, adds two float64 numbers (a
+#: compilation or a cache load) and prints whether it compiled and when it was done.
+SHARING_SCRIPT = """
+import json, sys, time
+sys.path.insert(0, sys.argv[2])
+import shared_module
+print("ready", flush=True)
+assert shared_module.add(1.0, 2.0) == 3.0
+stats = shared_module.add.stats
+print(json.dumps([sum(stats.cache_hits.values()), sum(stats.cache_misses.values()), time.time()]))
+"""
+
+#: Seconds a child is given to compile and save a one-line function where nothing
+#: keeps it waiting (it takes well under one on any machine).
+WAIT_SECONDS = 2.0
+
+
+@pytest.fixture
+def shared_module(tmp_path, monkeypatch):
+    """A module with one cached function, imported here; its cache location is the
+    one a child process finds too (``NUMBA_CACHE_DIR`` where set, else next to it)."""
+    folder = tmp_path / "module"
+    folder.mkdir()
+    (folder / "shared_module.py").write_text(SHARED_MODULE)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.delitem(sys.modules, "shared_module", raising=False)
+    import shared_module
+
+    yield shared_module, folder
+    sys.modules.pop("shared_module", None)
+
+
+def _start_sharing_child(folder: Path, tmp_path: Path) -> subprocess.Popen:
+    child = subprocess.Popen(
+        [sys.executable, "-c", SHARING_SCRIPT, str(ROOT), str(folder)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(ROOT),
+        cwd=tmp_path,
+    )
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == "ready", child.communicate(timeout=60)
+    return child
+
+
+def _child_result(child: subprocess.Popen) -> list:
+    out, err = child.communicate(timeout=SUBPROCESS_TIMEOUT)
+    assert child.returncode == 0, f"exit {child.returncode}\n{out}\n{err}"
+    return json.loads(out.splitlines()[-1])
+
+
+def test_a_signature_another_process_compiles_is_waited_for_and_loaded(shared_module, tmp_path):
+    """A process about to compile what another process is compiling waits for it and
+    loads its result from the cache: concurrent cold starts compile each kernel once."""
+    from numba import float64
+
+    from numba_rope._jit import compile_lock
+
+    module, folder = shared_module
+    with compile_lock(module.add, (float64, float64)):
+        child = _start_sharing_child(folder, tmp_path)
+        time.sleep(WAIT_SECONDS)  # unlocked, the child would have compiled it by now
+        assert module.add(1.0, 2.0) == 3.0  # compiled here, and saved to the cache
+        released = time.time()
+    hits, misses, done = _child_result(child)
+    assert (hits, misses) == (1, 0)  # loaded, not compiled
+    assert done >= released
+    stats = module.add.stats
+    assert sum(stats.cache_misses.values()) == 1
+
+
+def test_the_cache_index_is_written_by_one_process_at_a_time(shared_module, tmp_path):
+    """numba reads a function's cache index, adds an entry and writes it back: two
+    processes doing so at once lose an entry, or pair one with the other's machine
+    code. A process that holds the index lets no other process save meanwhile."""
+    from numba_rope._jit import index_lock
+
+    module, folder = shared_module
+    with index_lock(module.add):
+        child = _start_sharing_child(folder, tmp_path)
+        time.sleep(WAIT_SECONDS)
+        assert child.poll() is None  # waiting to read the index, then to write it
+    hits, misses, _ = _child_result(child)
+    assert (hits, misses) == (0, 1)
+    later = _start_sharing_child(folder, tmp_path)
+    assert _child_result(later)[:2] == [1, 0]  # the entry was saved
+
+
+def test_a_c_callback_saves_to_its_cache_index_by_one_process_at_a_time(shared_module, tmp_path):
+    """The helper's runners (``cached_cfunc``) compile when made, and save under the
+    same lock of their cache index."""
+    from numba_rope._jit import index_lock
+
+    module, folder = shared_module  # compiled (and saved) here, on import
+    (folder / "shared_module.py").write_text(SHARED_MODULE + "\n")  # a new source stamp
+    code = "import sys; sys.path.insert(0, sys.argv[2]); import shared_module as m; "
+    code += "print(m.twice.cache_hits, m.twice.ctypes(2.0))"
+    with index_lock(module.twice):  # the same index file: the name and folder are the same
+        child = subprocess.Popen(
+            [sys.executable, "-c", code, str(ROOT), str(folder)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(ROOT),
+            cwd=tmp_path,
+        )
+        time.sleep(WAIT_SECONDS + 3.0)  # the child imports numba first
+        assert child.poll() is None
+    out, err = child.communicate(timeout=SUBPROCESS_TIMEOUT)
+    assert child.returncode == 0, err
+    assert out.split() == ["0", "4.0"]  # the edited source is compiled anew, then saved
+    again = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT), str(folder)],
+        capture_output=True,
+        text=True,
+        env=_env(ROOT),
+        cwd=tmp_path,
+        timeout=SUBPROCESS_TIMEOUT,
+        check=True,
+    )
+    assert again.stdout.split() == ["1", "4.0"]
+
+
+def test_a_cache_lock_that_cannot_be_taken_leaves_the_cache_as_numba_has_it(tmp_path):
+    """Where no lock file can be made, the locked block still runs (unlocked)."""
+    from numba_rope._jit import cache_lock
+
+    ran = []
+    with cache_lock(str(tmp_path / "no such directory"), "compile"):
+        ran.append(True)
+    assert ran == [True]
