@@ -308,15 +308,20 @@ def shared_module(tmp_path, monkeypatch):
     sys.modules.pop("shared_module", None)
 
 
-def _start_sharing_child(folder: Path, tmp_path: Path) -> subprocess.Popen:
-    child = subprocess.Popen(
-        [sys.executable, "-c", SHARING_SCRIPT, str(ROOT), str(folder)],
+def _start_child(code: str, folder: Path, tmp_path: Path) -> subprocess.Popen:
+    """Start ``code`` with numba_rope from this tree and ``folder`` as ``sys.argv[2]``."""
+    return subprocess.Popen(
+        [sys.executable, "-c", code, str(ROOT), str(folder)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=_env(ROOT),
         cwd=tmp_path,
     )
+
+
+def _start_sharing_child(folder: Path, tmp_path: Path) -> subprocess.Popen:
+    child = _start_child(SHARING_SCRIPT, folder, tmp_path)
     assert child.stdout is not None
     assert child.stdout.readline().strip() == "ready", child.communicate(timeout=60)
     return child
@@ -375,29 +380,14 @@ def test_a_c_callback_saves_to_its_cache_index_by_one_process_at_a_time(shared_m
     code = "import sys; sys.path.insert(0, sys.argv[2]); import shared_module as m; "
     code += "print(m.twice.cache_hits, m.twice.ctypes(2.0))"
     with index_lock(module.twice):  # the same index file: the name and folder are the same
-        child = subprocess.Popen(
-            [sys.executable, "-c", code, str(ROOT), str(folder)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(ROOT),
-            cwd=tmp_path,
-        )
+        child = _start_child(code, folder, tmp_path)
         time.sleep(WAIT_SECONDS + 3.0)  # the child imports numba first
         assert child.poll() is None
     out, err = child.communicate(timeout=SUBPROCESS_TIMEOUT)
     assert child.returncode == 0, err
     assert out.split() == ["0", "4.0"]  # the edited source is compiled anew, then saved
-    again = subprocess.run(
-        [sys.executable, "-c", code, str(ROOT), str(folder)],
-        capture_output=True,
-        text=True,
-        env=_env(ROOT),
-        cwd=tmp_path,
-        timeout=SUBPROCESS_TIMEOUT,
-        check=True,
-    )
-    assert again.stdout.split() == ["1", "4.0"]
+    again = _start_child(code, folder, tmp_path).communicate(timeout=SUBPROCESS_TIMEOUT)[0]
+    assert again.split() == ["1", "4.0"]
 
 
 def test_a_cache_lock_that_cannot_be_taken_leaves_the_cache_as_numba_has_it(tmp_path):
