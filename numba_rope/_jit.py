@@ -103,7 +103,8 @@ def cache_lock(directory: str, name: str) -> Iterator[None]:
     """Hold, across processes, the lock called ``name`` in the cache ``directory``: a
     byte of :data:`LOCK_FILE` there, at an offset hashed from the name (POSIX record
     locks: released when the process ends, however it ends; not inherited by ``fork``
-    children). Where the lock cannot be taken (no such file can be made, a file system
+    children; a process never waits on its own lock, and taken twice, the inner release
+    releases it: the names used here never nest). Where the lock cannot be taken (no such file can be made, a file system
     without locks, a deadlock the kernel reports), the block runs unlocked: numba's
     cache as it is without this module."""
     offset = int(hashlib.sha256(name.encode()).hexdigest()[:15], 16)
