@@ -456,7 +456,7 @@ def test_compiled_plan_writes_nothing_when_it_refuses(rng):
 
 
 def test_compiled_plans_are_forgotten_when_a_constant_changes(rng, monkeypatch, fast_runs):
-    # A plan runs on the calling thread alone: made under the constants of its time.
+    # A plan holds the thresholds' choice and the work split of the constants of its time.
     x, cos, sin, ids = make_case(rng, (1, 2, 3, 8), np.float32)
     _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids))
     assert cpu_backend.FAST
@@ -464,7 +464,7 @@ def test_compiled_plans_are_forgotten_when_a_constant_changes(rng, monkeypatch, 
     monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", 0)
     assert not cpu_backend.FAST
     got = _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids))
-    assert not cpu_backend.FAST  # now a helper job, never a compiled plan
+    assert cpu_backend.FAST  # a plan of the helper's size now (shared when it can be)
     assert_bitwise_equal(got, float32_contract(x, cos, sin, ids))
     # The constant back: the signature gets its compiled plan again.
     config.HELPER_MIN_ELEMENTS = original
@@ -506,12 +506,71 @@ def test_signatures_forgotten_when_the_table_is_full_get_compiled_plans_again(
     assert_bitwise_equal(got, float32_contract(x, cos, sin, ids))
 
 
-def test_compiled_plans_only_for_calls_the_calling_thread_runs(rng, monkeypatch):
-    x, cos, sin, ids = make_case(rng, (1, 2, 3, 8), np.float32, n_positions=12)
+@pytest.mark.parametrize(
+    ("two", "dtype"),
+    [(False, np.dtype(np.float32)), (True, np.dtype(np.float32)), (True, BFLOAT16)],
+    ids=["one-float32", "qk-float32", "qk-bfloat16"],
+)
+def test_compiled_plans_of_the_helpers_size_share_while_the_helper_is_usable(
+    rng, monkeypatch, two, dtype
+):
+    """A signature at the helper's threshold gets a compiled plan whatever the thread
+    count when it is made; each call shares its chunks with the helper when this
+    thread may use more than one numba thread at that moment, else runs alone, as the
+    general path decides: the same bits either way."""
+    from numba_rope._cpu import helper, relay
+
+    x, cos, sin, ids = make_case(rng, (2, 4, 3, 8), dtype, n_positions=12)
+    k = rng.standard_normal((2, 2, 3, 8)).astype(dtype)
     monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", x.size)
-    monkeypatch.setattr(numba_rope._cpu.helper, "thread_count", lambda: 1)  # serial anyway
-    _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids))
-    assert not cpu_backend.FAST  # at the helper's threshold: not whatever the threads
+    monkeypatch.setattr(config, "CHUNKS_PER_THREAD", 4)  # several chunks to share
+    shared_runs = []
+    for name in ("planned_shared_one", "planned_shared"):
+        entry = getattr(cpu_backend, name)
+        monkeypatch.setattr(
+            cpu_backend, name, lambda *a, entry=entry: shared_runs.append(1) or entry(*a)
+        )
+    if two:
+        want = (float32_contract(x, cos, sin, ids), float32_contract(k, cos, sin, ids))
+
+        def call():
+            return numba_rope.rotary_embedding_qk(x, k, cos, sin, ids)
+    else:
+        want = (float32_contract(x, cos, sin, ids),)
+
+        def call():
+            return (numba_rope.rotary_embedding(x, cos, sin, ids),)
+
+    monkeypatch.setattr(helper, "thread_count", lambda: 1)
+    for got, expected in zip(_repeat(call), want, strict=True):
+        assert_bitwise_equal(got, expected)
+    assert len(cpu_backend.FAST) == 1 and not shared_runs  # made, run alone
+    monkeypatch.setattr(helper, "thread_count", lambda: 2)
+    for _ in range(3):
+        for got, expected in zip(call(), want, strict=True):
+            assert_bitwise_equal(got, expected)
+    assert len(shared_runs) == 3 and len(cpu_backend.FAST) == 1
+    # Another caller's job in the helper's block, then a helper without a core of late
+    # (a futex: Linux): the plan runs alone through its own block, as relayed does.
+    block = helper.helper().block
+    misses = block[relay.MISSES]
+    block[relay.OWNER] = 1
+    try:
+        for got, expected in zip(call(), want, strict=True):
+            assert_bitwise_equal(got, expected)
+        assert block[relay.OWNER] == 1 and block[relay.MISSES] == misses  # untouched
+    finally:
+        block[relay.OWNER] = 0
+    if block[relay.SYSCALL]:
+        block[relay.MISSES], block[relay.SKIPPED] = relay.MISSES_BEFORE_ALONE, 10
+        try:
+            for got, expected in zip(call(), want, strict=True):
+                assert_bitwise_equal(got, expected)
+            assert block[relay.OWNER] == 0 and block[relay.SKIPPED] == 11  # released
+            assert block[relay.MISSES] == relay.MISSES_BEFORE_ALONE  # no job finished
+        finally:
+            block[relay.MISSES] = block[relay.SKIPPED] = 0
+    assert len(shared_runs) == 5
 
 
 def _heads_inside(x, form):

@@ -32,7 +32,9 @@ from numba_rope._cpu.kernels import (
     DONE,
     FIRST_IN_PLACE,
     OVERLAP,
+    PLAN_CHUNKS,
     PLAN_COS,
+    PLAN_GROUPS,
     PLAN_K,
     PLAN_OUT,
     PLAN_OUT_K,
@@ -48,6 +50,8 @@ from numba_rope._cpu.kernels import (
     make_kernels,
     planned,
     planned_one,
+    planned_shared,
+    planned_shared_one,
 )
 from numba_rope._cpu.vector import STREAM_ALIGNMENT
 from numba_rope._geometry import (
@@ -617,8 +621,9 @@ def make_plan(
 
     ``key_options``: the call's options as given (``interleaved``,
     ``rotary_embedding_dim``, ``layout``, ``inverse``, ``num_heads``, ``num_kv_heads``),
-    for :func:`fast_key`. A plan whose calls run on the calling thread alone
-    (:func:`_fast_candidate`) gives its signature a compiled plan
+    for :func:`fast_key`. A plan whose calls no parallel kernel takes
+    (:func:`_fast_candidate`: on the calling thread, or shared with the helper) gives
+    its signature a compiled plan
     (:func:`remember_fast`) after ``FAST_AFTER`` calls with contiguous rows, counted
     apart for calls in place and out of place (compiled plans of their own).
     """
@@ -751,7 +756,8 @@ def make_plan(
             found = chosen[contiguous, in_place] = (*kernels(*options), options)
         serial, _, relayed, options = found
         # The threshold first: a call below it (most small calls) skips calling usable().
-        if size >= config.HELPER_MIN_ELEMENTS and helper.usable(size):
+        shareable = size >= config.HELPER_MIN_ELEMENTS
+        if shareable and helper.usable(size):
             the_helper = helper.helper()
             runner = runners.get((contiguous, in_place, the_helper))
             if runner is None:
@@ -767,16 +773,16 @@ def make_plan(
                 x_view, k_view, cos, sin, positions, out_view, out_k_view, rotary_dim,
                 True, config.TOKENS_PER_TILE, 1,
             )  # fmt: skip
-            left = countdowns.get(in_place, FAST_AFTER) if candidate else 0
-            if left and status == DONE and contiguous:
-                countdowns[in_place] = left - 1
-                if left == 1:
-                    remember_fast(
-                        fast_key(x, k, cache, position_ids, out, out_k, *key_options, offset),
-                        options, rotary_dim, positions,
-                        (x_view, k_view, cos, sin, out_view, out_k_view),
-                        (to_bhsd, x_split, k_split),
-                    )  # fmt: skip
+        left = countdowns.get(in_place, FAST_AFTER) if candidate else 0
+        if left and status == DONE and contiguous:
+            countdowns[in_place] = left - 1
+            if left == 1:
+                remember_fast(
+                    fast_key(x, k, cache, position_ids, out, out_k, *key_options, offset),
+                    options, rotary_dim, positions,
+                    (x_view, k_view, cos, sin, out_view, out_k_view),
+                    (to_bhsd, x_split, k_split), relay_split() if shareable else None,
+                )  # fmt: skip
         if status != DONE:
             return None
         return (out, out_k) if two else out  # one tensor: no tuple to build and index
@@ -790,8 +796,8 @@ def make_plan(
 #: a call by the plan (:func:`fast_call`), the plan (an int64 array, see
 #: :func:`~numba_rope._cpu.kernels.planned`) and the runner whose address the plan
 #: holds (kept alive with it); see :func:`remember_fast`. Emptied, with ``PLANS``, when
-#: a tuning constant of ``numba_rope.config`` changes (a plan is only made for a call
-#: that runs on the calling thread under the constants of that moment) and when full.
+#: a tuning constant of ``numba_rope.config`` changes (a plan holds the thresholds'
+#: choice and the work split of that moment) and when full.
 FAST: dict[tuple, tuple] = {}
 
 #: Calls a Python plan runs (see :func:`make_plan`) before its signature gets a compiled
@@ -837,8 +843,8 @@ def _fast_candidate(call: Call, inputs: tuple, key_options: tuple, position_offs
     """Whether calls of this validated signature may get a compiled plan: options that
     :func:`fast_key` can hold, positions that the compiled plan passes on as they are
     (ids, none, a Python ``int`` offset or a 1-D array of int64 offsets), and work
-    that runs on the calling thread whatever the thread count (below the helper's, the
-    parallel kernels' and streaming's thresholds)."""
+    that no parallel kernel takes (below the parallel kernels' and streaming's
+    thresholds): on the calling thread, or shared with the helper thread."""
     size = sum(x.size for x in inputs)
     return (
         len(key_options) == 6
@@ -851,31 +857,39 @@ def _fast_candidate(call: Call, inputs: tuple, key_options: tuple, position_offs
                 and position_offset.dtype == np.dtype(np.int64)
             )
         )
-        and size < config.HELPER_MIN_ELEMENTS
         and size < config.PARALLEL_MIN_ELEMENTS
         and sum(x.nbytes for x in inputs) < config.STREAMING_MIN_BYTES
     )
 
 
 def remember_fast(
-    key: tuple, options: tuple, rotary_dim: int, positions: Any, views: tuple, forms: tuple
+    key: tuple,
+    options: tuple,
+    rotary_dim: int,
+    positions: Any,
+    views: tuple,
+    forms: tuple,
+    split: tuple[int, int, int] | None = None,
 ) -> None:
-    """Give the signature of a call that its Python plan has just run (on the calling
-    thread, rows contiguous) a compiled plan under ``key`` (:func:`fast_key`, which
+    """Give the signature of a call that its Python plan has just run (rows
+    contiguous, no parallel kernel) a compiled plan under ``key`` (:func:`fast_key`, which
     holds the dtypes of the input, the caches, the ids and the offsets). ``options``:
     its kernel options; ``positions``: as the kernels took them (ids, None, an int
     offset or int64 offsets); ``views``: the input, k (or None), the caches and the
     outputs (out_k None for one tensor) as the kernels take them (BHSD views, 16-bit
     formats as integers); ``forms``: ``(to_bhsd, x_split, k_split)``, whether the
     caller's tensors need views to be BHSD (heads inside tokens) and the reshapes of
-    3-D ones (None for 4-D, see :func:`~numba_rope._geometry.bhsd_steps`)."""
+    3-D ones (None for 4-D, see :func:`~numba_rope._geometry.bhsd_steps`); ``split``:
+    None for a call below the helper's threshold (run on the calling thread), else
+    the tokens per tile, head groups and chunks of the helper's split (``relay_split``),
+    shared with the helper at each call where it is usable (see :func:`fast_call`)."""
     x_view, k_view, cos_view, sin_view, out_view, out_k_view = views
     to_bhsd, x_split, k_split = forms
     function = helper.runner(options, (x_view, k_view, cos_view, sin_view, positions))
     plan = np.zeros(PLAN_SLOTS, np.int64)
     plan[PLAN_RUNNER] = function.address
     plan[PLAN_ROTARY_DIM] = rotary_dim
-    plan[PLAN_TILE] = config.TOKENS_PER_TILE
+    plan[PLAN_TILE], plan[PLAN_GROUPS], plan[PLAN_CHUNKS] = split or (config.TOKENS_PER_TILE, 1, 1)
     for slot, array in (
         (PLAN_X, x_view), (PLAN_K, k_view), (PLAN_COS, cos_view), (PLAN_SIN, sin_view),
         (PLAN_POSITIONS, positions), (PLAN_OUT, out_view), (PLAN_OUT_K, out_k_view),
@@ -886,8 +900,12 @@ def remember_fast(
     if len(FAST) >= MAX_PLANS:
         _forget_fast()
     dtype, cache_dtype = key[1], key[2]  # fast_key holds (shape, dtype, cache dtype, ...)
+    # A plan of the helper's size is shared with it (when usable) by the elements.
+    shared_size = 0 if split is None else x_view.size + (0 if k_view is None else k_view.size)
     FAST[key] = (
-        fast_call(plan, dtype, cache_dtype, to_bhsd, x_split, k_split, k_view is not None),
+        fast_call(
+            plan, dtype, cache_dtype, to_bhsd, x_split, k_split, k_view is not None, shared_size
+        ),
         plan,
         function,  # kept alive with the plan that holds its address
     )
@@ -901,6 +919,7 @@ def fast_call(
     x_split: tuple[int, ...] | None,
     k_split: tuple[int, ...] | None,
     two: bool,
+    shared_size: int = 0,
 ) -> Callable[..., Any]:
     """The function that runs a call by the compiled plan ``plan`` (found by
     :func:`fast_key`: the input, caches, ids and offsets are of its dtypes) and returns
@@ -917,7 +936,13 @@ def fast_call(
     less of Python than one function for every plan). Dtypes are compared by identity
     first (NumPy's native dtypes are one object each), then by equality (an equal dtype
     can be another object: ``newbyteorder("=")``, unpickled arrays), written out
-    inline: a helper function would be a Python call per comparison."""
+    inline: a helper function would be a Python call per comparison.
+
+    ``shared_size``: 0, or for the plan of a call of the helper's size its elements (x
+    and k): the call is then shared with the helper thread when ``helper.usable``
+    says so at the time of the call (more than one numba thread for this thread), as
+    the general path decides, else run on this thread. The helper is looked up at each
+    call: a forked child has its own."""
     storage, cache_storage = storage_dtype(dtype), storage_dtype(cache_dtype)
     views = storage is not None or cache_storage is not None or to_bhsd
     ndarray, empty = np.ndarray, np.empty
@@ -948,14 +973,20 @@ def fast_call(
                 out = empty(x.shape, dtype)
             elif type(out) is not ndarray or (out.dtype is not dtype and out.dtype != dtype):
                 return None
-            if not views:
-                status = planned_one(x, cos, sin, position_ids, out, plan)
-            else:
+            x_view, out_view = x, out
+            if views:
                 if to_bhsd and out.shape != x.shape:
                     return None  # (3-D outputs must have the input's shape to be reshaped)
                 if cache_storage is not None:
                     cos, sin = cos.view(cache_storage), sin.view(cache_storage)
                 x_view, out_view = view(x, x_split), view(out, x_split)
+            if shared_size and helper.usable(shared_size):
+                the_helper = helper.helper()
+                the_helper.start()
+                status = planned_shared_one(
+                    x_view, cos, sin, position_ids, out_view, plan, the_helper.block
+                )
+            else:
                 status = planned_one(x_view, cos, sin, position_ids, out_view, plan)
             return out if status == DONE else None
 
@@ -980,17 +1011,23 @@ def fast_call(
             out_k = empty(k.shape, dtype)
         elif type(out_k) is not ndarray or (out_k.dtype is not dtype and out_k.dtype != dtype):
             return None
-        if not views:
-            status = planned(x, k, cos, sin, position_ids, out, out_k, plan)
-        else:
+        x_view, k_view, out_view, out_k_view = x, k, out, out_k
+        if views:
             if to_bhsd and (out.shape != x.shape or out_k.shape != k.shape):
                 return None
             if cache_storage is not None:
                 cos, sin = cos.view(cache_storage), sin.view(cache_storage)
-            status = planned(
-                view(x, x_split), view(k, k_split), cos, sin, position_ids,
-                view(out, x_split), view(out_k, k_split), plan,
+            x_view, k_view = view(x, x_split), view(k, k_split)
+            out_view, out_k_view = view(out, x_split), view(out_k, k_split)
+        if shared_size and helper.usable(shared_size):
+            the_helper = helper.helper()
+            the_helper.start()
+            status = planned_shared(
+                x_view, k_view, cos, sin, position_ids, out_view, out_k_view, plan,
+                the_helper.block,
             )  # fmt: skip
+        else:
+            status = planned(x_view, k_view, cos, sin, position_ids, out_view, out_k_view, plan)
         return (out, out_k) if status == DONE else None
 
     return run_qk

@@ -749,7 +749,8 @@ NOT_PLANNED = -3
 #: Slots of a compiled plan (an int64 array, see :func:`planned`): the address of the
 #: runner (:func:`make_runner`) for the plan's kernel options, the rotary dimension, the
 #: tokens per tile, then for each array its ndim and shape (``PLAN_SHAPE_SLOTS``
-#: slots; ndim 0 for an absent one or one offset).
+#: slots; ndim 0 for an absent one or one offset), then the head groups and the chunks
+#: of the work split (1 and 1 but for calls shared with the helper thread).
 PLAN_RUNNER = 0
 PLAN_ROTARY_DIM = 1
 PLAN_TILE = 2
@@ -765,7 +766,9 @@ PLAN_OUT_K = PLAN_OUT + PLAN_SHAPE_SLOTS
 #: written afresh by each call: part of the plan rather than allocated per call (an
 #: allocation and a free, against a 5 us call). The calls of one plan never overlap:
 #: :func:`planned` holds the GIL (it is not ``nogil``), and nothing in it calls back.
-PLAN_BLOCK = PLAN_OUT_K + PLAN_SHAPE_SLOTS
+PLAN_GROUPS = PLAN_OUT_K + PLAN_SHAPE_SLOTS
+PLAN_CHUNKS = PLAN_GROUPS + 1
+PLAN_BLOCK = PLAN_CHUNKS + 1
 PLAN_SLOTS = PLAN_BLOCK + relay.BLOCK_SLOTS
 
 
@@ -821,7 +824,7 @@ def _distinct_output_overload(out):
 @cached_njit()
 def planned(x, k, cos, sin, positions, out, out_k, plan):
     """Run a small call of q and k by its compiled plan: see :func:`run_planned`."""
-    return run_planned(x, k, cos, sin, positions, out, out_k, plan)
+    return run_planned(x, k, cos, sin, positions, out, out_k, plan, None)
 
 
 @cached_njit()
@@ -829,11 +832,25 @@ def planned_one(x, cos, sin, positions, out, plan):
     """Run a small call of one tensor by its compiled plan: see :func:`run_planned`.
     An entry of its own, not :func:`planned` with two Nones: each argument costs a
     numba dispatch from Python about 0.05-0.08 us, against a 5 us call."""
-    return run_planned(x, None, cos, sin, positions, out, None, plan)
+    return run_planned(x, None, cos, sin, positions, out, None, plan, None)
+
+
+@cached_njit()
+def planned_shared(x, k, cos, sin, positions, out, out_k, plan, shared):
+    """Run a call of q and k by its compiled plan, sharing its chunks with the helper
+    thread whose control block is ``shared``: see :func:`run_planned`."""
+    return run_planned(x, k, cos, sin, positions, out, out_k, plan, shared)
+
+
+@cached_njit()
+def planned_shared_one(x, cos, sin, positions, out, plan, shared):
+    """Run a call of one tensor by its compiled plan, sharing its chunks with the
+    helper thread whose control block is ``shared``: see :func:`run_planned`."""
+    return run_planned(x, None, cos, sin, positions, out, None, plan, shared)
 
 
 @cached_njit(inline="always")
-def run_planned(x, k, cos, sin, positions, out, out_k, plan):
+def run_planned(x, k, cos, sin, positions, out, out_k, plan, shared):
     """Run a small call by its compiled plan: DONE, or NOT_PLANNED (nothing written)
     when the arrays are not of the plan's shapes, have rows that are not contiguous, an
     output that is read-only or whose elements may share bytes, or when the call would
@@ -847,6 +864,13 @@ def run_planned(x, k, cos, sin, positions, out, out_k, plan):
     control block held in the plan (``PLAN_BLOCK``): one compiled function for every
     kind of kernel, whose own compilation is small, and a call to it costs one numba
     dispatch.
+
+    ``shared``: None, or the control block of the helper thread (see
+    :mod:`numba_rope._cpu.relay`) for a plan of a call that the general path shares
+    with it (``make_kernels``' ``relayed`` kernel, the same split into chunks): the job
+    is published there and the caller runs its own chunks by the runner too. Alone,
+    as ``relayed`` is (another caller's job running, or a helper without a core of
+    late), the call runs as one chunk through the plan's own block.
     """
     if not (
         _shape_is(x, plan, PLAN_X)
@@ -871,13 +895,35 @@ def run_planned(x, k, cos, sin, positions, out, out_k, plan):
         return NOT_PLANNED
     if _checked(x, k, cos, sin, positions, out, out_k, True) != DONE:
         return NOT_PLANNED
-    tile = plan[PLAN_TILE]
-    n_units = _n_units(x.shape[0], x.shape[2], tile, 1)
+    tile, n_groups, runner = plan[PLAN_TILE], plan[PLAN_GROUPS], plan[PLAN_RUNNER]
+    n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
     block = plan[PLAN_BLOCK:]
-    relay.store_job(block, x, out, cos, sin, positions, plan[PLAN_ROTARY_DIM], tile, 1, n_units)
+    publishing = False
+    if shared is not None:
+        owner = relay.take_ownership(shared)
+        if owner and relay.worth_sharing(shared):
+            block = shared
+            publishing = True
+        elif owner:
+            relay.release(shared)
+    # One call of each (two inlined copies of the stores trip numba's SSA pass).
+    relay.store_job(
+        block, x, out, cos, sin, positions, plan[PLAN_ROTARY_DIM], tile, n_groups, n_units
+    )
     if k is not None:
         relay.store_array(block, relay.K_AT, k)
         relay.store_array(block, relay.OUT_K_AT, out_k)
-    block[relay.CHUNKS] = 1
-    relay.call_runner(plan[PLAN_RUNNER], block, 0)
+    if not publishing:
+        block[relay.CHUNKS] = 1
+        relay.call_runner(runner, block, 0)
+        return DONE
+    n_chunks = plan[PLAN_CHUNKS]
+    relay.publish(block, runner, n_chunks)
+    own = 0
+    chunk = relay.claim_own(block)
+    while chunk < n_chunks:
+        relay.call_runner(runner, block, chunk)
+        own += 1
+        chunk = relay.claim_own(block)
+    relay.finish(block, n_chunks, own)
     return DONE
