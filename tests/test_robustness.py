@@ -328,7 +328,12 @@ def _start_sharing_child(folder: Path, tmp_path: Path) -> subprocess.Popen:
 
 
 def _child_result(child: subprocess.Popen) -> list:
-    out, err = child.communicate(timeout=SUBPROCESS_TIMEOUT)
+    # Read through the text streams: "ready" was read from stdout's, which may already
+    # hold the next line (communicate() reads the pipes' descriptors, past that buffer).
+    assert child.stdout is not None and child.stderr is not None
+    with child:  # closes the pipes
+        out, err = child.stdout.read(), child.stderr.read()
+        child.wait(timeout=SUBPROCESS_TIMEOUT)
     assert child.returncode == 0, f"exit {child.returncode}\n{out}\n{err}"
     return json.loads(out.splitlines()[-1])
 
