@@ -104,9 +104,9 @@ def cache_lock(directory: str, name: str) -> Iterator[None]:
     byte of :data:`LOCK_FILE` there, at an offset hashed from the name (POSIX record
     locks: released when the process ends, however it ends; not inherited by ``fork``
     children; a process never waits on its own lock, and taken twice, the inner release
-    releases it: the names used here never nest). Where the lock cannot be taken (no such file can be made, a file system
-    without locks, a deadlock the kernel reports), the block runs unlocked: numba's
-    cache as it is without this module."""
+    releases it: the names used here never nest). Where the lock cannot be taken (no
+    such file can be made, a file system without locks, a deadlock the kernel
+    reports), the block runs unlocked: numba's cache as it is without this module."""
     offset = int(hashlib.sha256(name.encode()).hexdigest()[:15], 16)
     fd = _lock_fds.get(directory)
     try:
