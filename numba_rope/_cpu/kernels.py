@@ -762,12 +762,14 @@ PLAN_SIN = PLAN_COS + PLAN_SHAPE_SLOTS
 PLAN_POSITIONS = PLAN_SIN + PLAN_SHAPE_SLOTS
 PLAN_OUT = PLAN_POSITIONS + PLAN_SHAPE_SLOTS
 PLAN_OUT_K = PLAN_OUT + PLAN_SHAPE_SLOTS
+PLAN_GROUPS = PLAN_OUT_K + PLAN_SHAPE_SLOTS
+PLAN_CHUNKS = PLAN_GROUPS + 1
 #: The control block a plan's call hands its runner (``relay.BLOCK_SLOTS`` slots),
 #: written afresh by each call: part of the plan rather than allocated per call (an
 #: allocation and a free, against a 5 us call). The calls of one plan never overlap:
-#: :func:`planned` holds the GIL (it is not ``nogil``), and nothing in it calls back.
-PLAN_GROUPS = PLAN_OUT_K + PLAN_SHAPE_SLOTS
-PLAN_CHUNKS = PLAN_GROUPS + 1
+#: :func:`planned` and the other entries hold the GIL (none is ``nogil``), and
+#: nothing in them calls back. A call shared with the helper publishes its job in the
+#: helper's block instead; the helper never reads a plan's own block.
 PLAN_BLOCK = PLAN_CHUNKS + 1
 PLAN_SLOTS = PLAN_BLOCK + relay.BLOCK_SLOTS
 
