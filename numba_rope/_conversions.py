@@ -17,6 +17,9 @@ everything else becomes float32) and :func:`narrow_like` rounds a computed value
 to nearest even, into the element type of a given array. Both are resolved at compile
 time from the argument types, so a kernel is written once for all formats.
 
+Where the CPU has AVX512_BF16, the kernels' vector loops narrow bfloat16 with its
+instruction (:func:`bfloat16_pair_vector_code`), the same bits.
+
 NaN stays NaN and infinities stay infinite. The payload of a NaN is not preserved
 bit for bit: bfloat16 NaNs become the canonical quiet NaN of their sign, as
 ``ml_dtypes`` does, and float16 NaNs are quieted by the hardware conversion.
@@ -192,6 +195,98 @@ def bfloat16_pair_code(builder, low, high):
     first = builder.lshr(_bfloat16_rounded_bits(builder, low), _constant(low, 16))
     second = builder.and_(_bfloat16_rounded_bits(builder, high), _constant(high, _HIGH_HALF))
     return builder.or_(first, second)
+
+
+# AVX512_BF16 narrows 32 float32 lanes to bfloat16 in one instruction (``vcvtne2ps2bf16``),
+# rounding to nearest even as the integer code above does, but with subnormal inputs
+# treated as zero and NaN payloads kept: it gives the contract's bits for every lane
+# that is neither subnormal nor NaN. A vector with such a lane (one class test per
+# vector, rarely true) takes the integer code instead, so the bits do not depend on
+# the CPU.
+
+#: LLVM CPU names that have AVX512_BF16 (with AVX512DQ and AVX512VL), for a target named without
+#: features (``NUMBA_CPU_NAME`` with ``NUMBA_CPU_FEATURES=""``); an unknown name gets
+#: the integer code, which is right on every CPU.
+_BF16_CPUS = frozenset(
+    {
+        "cooperlake",
+        "sapphirerapids",
+        "emeraldrapids",
+        "graniterapids",
+        "graniterapids-d",
+        "diamondrapids",
+        "znver4",
+        "znver5",
+    }
+)
+
+#: ``vfpclassps`` classes: quiet NaN, subnormal, signaling NaN.
+_NAN_OR_SUBNORMAL = 0x01 | 0x20 | 0x80
+
+
+class _BFloatType(ir.types._BaseFloatType):  # llvmlite has no bfloat type
+    null = "0.0"
+    intrinsic_name = "bf16"
+
+    def __str__(self):
+        return "bfloat"
+
+
+_BFloatType._create_instance()
+
+
+def has_bfloat16_instructions(context) -> bool:
+    """Whether the CPU target of ``context`` (a numba target context) has AVX512_BF16,
+    AVX512DQ and AVX512VL: from the features numba compiles for, or where those are
+    empty (a CPU named alone), from the CPU's name."""
+    codegen = context.codegen()
+    features = getattr(codegen, "_tm_features", "")
+    if features:
+        flags = set(features.split(","))
+        return {"+avx512bf16", "+avx512dq", "+avx512vl"} <= flags
+    return codegen._get_host_cpu_name() in _BF16_CPUS
+
+
+def bfloat16_pair_vector_code(builder, low, high, instructions):
+    """:func:`bfloat16_pair_code` of two float32 vectors of 8 or 16 lanes; with
+    ``instructions`` (see :func:`has_bfloat16_instructions`), one ``vcvtne2ps2bf16``
+    and a permutation for vectors without NaN or subnormal lanes, the same bits."""
+    lanes = low.type.count
+    if not instructions or lanes not in (8, 16):
+        return bfloat16_pair_code(builder, low, high)
+    module = builder.module
+    flags = ir.VectorType(ir.IntType(1), lanes)
+    classify = module.declare_intrinsic(
+        f"llvm.x86.avx512.fpclass.ps.{32 * lanes}", fnty=ir.FunctionType(flags, [low.type, _I32])
+    )
+    test = ir.Constant(_I32, _NAN_OR_SUBNORMAL)
+    special = builder.or_(builder.call(classify, [low, test]), builder.call(classify, [high, test]))
+    reduce = module.declare_intrinsic(
+        f"llvm.vector.reduce.or.v{lanes}i1", fnty=ir.FunctionType(ir.IntType(1), [flags])
+    )
+    rare = builder.call(reduce, [special])
+    with builder.if_else(builder.not_(rare), likely=True) as (fast, slow):
+        with fast:
+            narrowed = ir.VectorType(_BFloatType(), 2 * lanes)
+            convert = module.declare_intrinsic(
+                f"llvm.x86.avx512bf16.cvtne2ps2bf16.{32 * lanes}",
+                fnty=ir.FunctionType(narrowed, [low.type, high.type]),
+            )
+            halves = builder.bitcast(
+                builder.call(convert, [high, low]), ir.VectorType(_I16, 2 * lanes)
+            )
+            order = [lane + half * lanes for lane in range(lanes) for half in (0, 1)]
+            mask = ir.Constant(ir.VectorType(_I32, 2 * lanes), order)
+            pairs = builder.shuffle_vector(halves, halves, mask)
+            fast_words = builder.bitcast(pairs, ir.VectorType(_I32, lanes))
+            fast_block = builder.block
+        with slow:
+            slow_words = bfloat16_pair_code(builder, low, high)
+            slow_block = builder.block
+    words = builder.phi(fast_words.type)
+    words.add_incoming(fast_words, fast_block)
+    words.add_incoming(slow_words, slow_block)
+    return words
 
 
 @intrinsic

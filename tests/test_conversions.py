@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core.registry import cpu_target
+from numba.extending import intrinsic
 from oracles import BFLOAT16, bits
 
 from numba_rope._conversions import (
@@ -17,6 +20,8 @@ from numba_rope._conversions import (
     bfloat16_high,
     bfloat16_low,
     bfloat16_pair,
+    bfloat16_pair_vector_code,
+    has_bfloat16_instructions,
     narrow_like,
     widen,
 )
@@ -178,6 +183,119 @@ def test_bfloat16_words_round_like_one_element(rng):
         stored = got.view(np.uint16)[:, column][nan]
         sign = (source[nan].view(np.uint32) >> 31).astype(np.uint16)
         np.testing.assert_array_equal(stored, 0x7FC0 | (sign << 15))
+
+
+def _vector_joiner(lanes, instructions):
+    """A function that joins ``low`` and ``high`` into ``words`` ``lanes`` at a time with
+    :func:`bfloat16_pair_vector_code`, as the kernels' word loops do."""
+    vector = ir.VectorType(ir.FloatType(), lanes)
+    word_vector = ir.VectorType(ir.IntType(32), lanes)
+
+    @intrinsic
+    def join(typingctx, low, high, words, start):
+        def codegen(context, builder, signature, args):
+            def pointer(index, vector_type):
+                array = context.make_array(signature.args[index])(context, builder, args[index])
+                element = builder.gep(array.data, [args[3]])
+                return builder.bitcast(element, vector_type.as_pointer())
+
+            first = builder.load(pointer(0, vector), align=4)
+            second = builder.load(pointer(1, vector), align=4)
+            joined = bfloat16_pair_vector_code(builder, first, second, instructions)
+            builder.store(joined, pointer(2, word_vector), align=4)
+            return context.get_dummy_value()
+
+        return types.none(low, high, words, start), codegen
+
+    @njit
+    def run(low, high, words):
+        for start in range(0, low.size - lanes + 1, lanes):
+            join(low, high, words, start)
+
+    return run
+
+
+_HOST_HAS_BFLOAT16_INSTRUCTIONS = has_bfloat16_instructions(cpu_target.target_context)
+
+
+@pytest.mark.parametrize("lanes", [16, 8])
+@pytest.mark.parametrize(
+    "instructions",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                not _HOST_HAS_BFLOAT16_INSTRUCTIONS, reason="this CPU has no AVX512_BF16"
+            ),
+        ),
+    ],
+    ids=["integers", "avx512-bf16"],
+)
+def test_bfloat16_vector_words_round_like_one_element(rng, lanes, instructions):
+    # The word loops' vectors of pairs, with AVX512_BF16's conversion where the CPU has
+    # it: vectors of normal numbers, zeros and infinities take it; a vector with one NaN
+    # or subnormal lane (anywhere, in either half) the integer code. Both give the
+    # oracle's bits, ties, overflow to infinity and NaN included.
+    values = np.concatenate(
+        [_interesting_float32(rng), np.array(QUIET_NANS, np.uint32).view(np.float32)]
+    )
+    magnitude = values.view(np.uint32) & 0x7FFFFFFF
+    special = np.isnan(values) | ((magnitude > 0) & (magnitude < 0x00800000))
+    ordinary = values[~special]
+    rare = rng.permutation(values[special])
+    assert rare.size > 1000 and ordinary.size > 100000
+    vectors = ordinary.size // lanes
+    with_one_special = ordinary[: vectors * lanes].reshape(vectors, lanes).copy()
+    with_one_special[np.arange(vectors), np.arange(vectors) % lanes] = np.resize(rare, vectors)
+    cases = {
+        "mixed": (values, rng.permutation(values)),
+        "ordinary": (ordinary, rng.permutation(ordinary)),
+        "one special lane in the first half": (with_one_special.ravel(), ordinary[::-1]),
+        "one special lane in the second half": (ordinary[::-1], with_one_special.ravel()),
+    }
+    run = _vector_joiner(lanes, instructions)
+    for case, (low, high) in cases.items():
+        size = min(low.size, high.size) // lanes * lanes
+        low, high = np.ascontiguousarray(low[:size]), np.ascontiguousarray(high[:size])
+        words = np.empty(size, np.uint32)
+        run(low, high, words)
+        with np.errstate(all="ignore"):
+            want = np.stack([low.astype(BFLOAT16), high.astype(BFLOAT16)], axis=1)
+        got = words.view(np.uint16).reshape(-1, 2)
+        np.testing.assert_array_equal(bits(got.view(BFLOAT16)), bits(want), err_msg=case)
+        for column, source in enumerate((low, high)):
+            nan = np.isnan(source)
+            sign = (source[nan].view(np.uint32) >> 31).astype(np.uint16)
+            np.testing.assert_array_equal(got[:, column][nan], 0x7FC0 | (sign << 15), case)
+    asm = run.inspect_asm(run.signatures[0])
+    assert ("vcvtne2ps2bf16" in asm) == instructions
+
+
+def test_bfloat16_instructions_follow_the_target():
+    # Named by its features (the host, or NUMBA_CPU_FEATURES), else by its CPU name.
+    class Codegen:
+        def __init__(self, features, name):
+            self._tm_features, self._name = features, name
+
+        def _get_host_cpu_name(self):
+            return self._name
+
+    class Context:
+        def __init__(self, features, name=""):
+            self._codegen = Codegen(features, name)
+
+        def codegen(self):
+            return self._codegen
+
+    assert has_bfloat16_instructions(Context("+avx512f,+avx512bf16,+avx512dq,+avx512vl"))
+    assert not has_bfloat16_instructions(Context("+avx512f,-avx512bf16,+avx512dq,+avx512vl"))
+    assert not has_bfloat16_instructions(Context("+avx512f,+avx512bf16,-avx512dq,+avx512vl"))
+    assert not has_bfloat16_instructions(Context("+avx2,+f16c", "znver4"))
+    assert has_bfloat16_instructions(Context("", "znver4"))
+    assert has_bfloat16_instructions(Context("", "sapphirerapids"))
+    assert not has_bfloat16_instructions(Context("", "skylake-avx512"))
+    assert not has_bfloat16_instructions(Context("", "haswell"))
 
 
 def test_float_storage_passes_through():

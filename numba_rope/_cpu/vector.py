@@ -29,7 +29,8 @@ from numba_rope._conversions import (
     BFLOAT16_STORAGE,
     bfloat16_high_code,
     bfloat16_low_code,
-    bfloat16_pair_code,
+    bfloat16_pair_vector_code,
+    has_bfloat16_instructions,
     narrow_code,
     widen_code,
 )
@@ -384,6 +385,7 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
     def codegen(context, builder, signature, args):
         (x, cos, sin, out), _, _, half, sign = _stream_arguments(context, builder, signature, args)
         stream = _Stream(context, builder)
+        instructions = has_bfloat16_instructions(context)
 
         def step(first, lanes):  # lanes words, 2 * lanes pairs
             second = builder.add(first, half)
@@ -395,9 +397,9 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
             y1_high, y2_high = stream.rotate(
                 *(bfloat16_high_code(builder, w) for w in (a, b, c, s)), sign
             )
-            y1 = bfloat16_pair_code(builder, y1_low, y1_high)
+            y1 = bfloat16_pair_vector_code(builder, y1_low, y1_high, instructions)
             stream.store_words(y1, out, first, lanes, nontemporal)
-            y2 = bfloat16_pair_code(builder, y2_low, y2_high)
+            y2 = bfloat16_pair_vector_code(builder, y2_low, y2_high, instructions)
             stream.store_words(y2, out, second, lanes, nontemporal)
 
         return stream.steps(ir.Constant(stream.intp, 0), half, step, scale=2)
@@ -416,6 +418,7 @@ def _word_interleaved_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row
             context, builder, signature, args
         )
         stream = _Stream(context, builder)
+        instructions = has_bfloat16_instructions(context)
 
         def step(pair, lanes):
             element = builder.add(pair, pair)
@@ -427,7 +430,7 @@ def _word_interleaved_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row
                 stream.load(sin, pair, cache_type, lanes),
                 sign,
             )
-            merged = bfloat16_pair_code(builder, y1, y2)
+            merged = bfloat16_pair_vector_code(builder, y1, y2, instructions)
             stream.store_words(merged, out, element, lanes, nontemporal)
 
         return stream.steps(ir.Constant(stream.intp, 0), half, step)
