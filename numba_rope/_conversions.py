@@ -235,16 +235,80 @@ class _BFloatType(ir.types._BaseFloatType):  # llvmlite has no bfloat type
 _BFloatType._create_instance()
 
 
-def has_bfloat16_instructions(context) -> bool:
-    """Whether the CPU target of ``context`` (a numba target context) has AVX512_BF16,
-    AVX512DQ and AVX512VL: from the features numba compiles for, or where those are
-    empty (a CPU named alone), from the CPU's name."""
+def _target_has(context, features, named_cpus) -> bool:
+    """Whether the CPU target of ``context`` (a numba target context) has every one of
+    ``features`` (LLVM's names, ``+`` first): from the features numba compiles for, or
+    where those are empty (a CPU named alone), whether its name is in ``named_cpus``."""
     codegen = context.codegen()
-    features = getattr(codegen, "_tm_features", "")
-    if features:
-        flags = set(features.split(","))
-        return {"+avx512bf16", "+avx512dq", "+avx512vl"} <= flags
-    return codegen._get_host_cpu_name() in _BF16_CPUS
+    compiled_for = getattr(codegen, "_tm_features", "")
+    if compiled_for:
+        return set(features) <= set(compiled_for.split(","))
+    return codegen._get_host_cpu_name() in named_cpus
+
+
+def has_bfloat16_instructions(context) -> bool:
+    """Whether the CPU target of ``context`` has AVX512_BF16, AVX512DQ and AVX512VL
+    (see :func:`bfloat16_pair_vector_code`)."""
+    return _target_has(context, ("+avx512bf16", "+avx512dq", "+avx512vl"), _BF16_CPUS)
+
+
+#: LLVM CPU names that have AVX512-FP16.
+_FP16_CPUS = frozenset(
+    {"sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d", "diamondrapids"}
+)
+
+
+def has_float16_arithmetic(context) -> bool:
+    """Whether the CPU target of ``context`` has AVX512-FP16, whose vectors of LLVM
+    ``half`` are legal types (see :func:`float16_integer_code`)."""
+    return _target_has(context, ("+avx512fp16",), _FP16_CPUS)
+
+
+def float16_integer_code(builder, value):
+    """:func:`narrow_code` of a vector of float32 (a multiple of 8 lanes) into float16
+    storage, through the F16C / AVX-512 conversion intrinsics, whose results are
+    integer vectors: the same instructions and bits as LLVM's ``fptrunc``, but no
+    vector of ``half`` for LLVM's instruction selection, which on AVX512-FP16 targets
+    made non-temporal stores of such vectors ordinary ones."""
+    lanes = value.type.count
+    if lanes in (8, 16):
+        return _float16_integer_piece(builder, value)
+    assert lanes % 16 == 0, lanes
+    pieces = [
+        _float16_integer_piece(builder, _lanes_of(builder, value, list(range(first, first + 16))))
+        for first in range(0, lanes, 16)
+    ]
+    while len(pieces) > 1:
+        pieces = [
+            _lanes_of(builder, pieces[k], list(range(2 * pieces[k].type.count)), pieces[k + 1])
+            for k in range(0, len(pieces), 2)
+        ]
+    return pieces[0]
+
+
+def _lanes_of(builder, first, lanes, second=None):
+    """The ``lanes`` of ``first`` followed by ``second`` (a shuffle)."""
+    mask = ir.Constant(ir.VectorType(_I32, len(lanes)), lanes)
+    return builder.shuffle_vector(first, first if second is None else second, mask)
+
+
+def _float16_integer_piece(builder, value):
+    lanes = value.type.count
+    storage = ir.VectorType(_I16, lanes)
+    current_rounding = ir.Constant(_I32, 4)  # MXCSR's: to nearest even
+    if lanes == 16:
+        convert = builder.module.declare_intrinsic(
+            "llvm.x86.avx512.mask.vcvtps2ph.512",
+            fnty=ir.FunctionType(storage, [value.type, _I32, storage, ir.IntType(16)]),
+        )
+        every_lane = ir.Constant(ir.IntType(16), -1)
+        return builder.call(
+            convert, [value, current_rounding, ir.Constant(storage, None), every_lane]
+        )
+    convert = builder.module.declare_intrinsic(
+        "llvm.x86.vcvtps2ph.256", fnty=ir.FunctionType(storage, [value.type, _I32])
+    )
+    return builder.call(convert, [value, current_rounding])
 
 
 def bfloat16_pair_vector_code(builder, low, high, instructions):

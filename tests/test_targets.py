@@ -4,7 +4,9 @@ runs), their machine code has no fused multiply-add, which would round once wher
 contract rounds twice; nor has ``rope_cache``'s cos/sin, whose double-double arithmetic
 depends on it. The vector registers each target's code uses are reported, and the
 hand-written vector steps must use the full 512 bits on the AVX-512 targets; bfloat16
-results are narrowed with AVX512_BF16's instruction on znver4 only."""
+results are narrowed with AVX512_BF16's instruction on the targets that have it (znver4,
+sapphirerapids) only; and the streaming vector steps store every result non-temporally
+(sapphirerapids, whose AVX512-FP16 changes how LLVM handles float16 vectors, included)."""
 
 from __future__ import annotations
 
@@ -16,9 +18,9 @@ import sys
 
 import pytest
 
-TARGETS = ["haswell", "skylake-avx512", "znver4"]
-AVX512 = {"skylake-avx512", "znver4"}
-AVX512_BF16 = {"znver4"}
+TARGETS = ["haswell", "skylake-avx512", "znver4", "sapphirerapids"]
+AVX512 = {"skylake-avx512", "znver4", "sapphirerapids"}
+AVX512_BF16 = {"znver4", "sapphirerapids"}
 
 SCRIPT = r"""
 import json, re
@@ -69,6 +71,41 @@ for dtype, words in (("float32", False), ("float16", False), ("bfloat16", True))
         "nontemporal": len(re.findall(r"\bv?movnt", asm)),
         "bf16": asm.count("vcvtne2ps2bf16"), "fpclass": asm.count("vfpclassps"),
     }
+# The vector steps alone, streaming: every store of a rotated result must be
+# non-temporal (an ordinary vector store to the output is a store LLVM made of a
+# non-temporal one; stores to the stack are spills).
+from numba import njit
+from numba_rope._cpu.vector import vector_pairs
+
+ordinary_store = re.compile(
+    r"^\s+v(mov(?!nt)\w*|extract\w*)\s+(\$\d+, )?%[xyz]mm\d+, (-?\d*\((?!%rsp)[^)]*\))", re.M
+)
+for dtype, words in (("float32", False), ("float16", False), ("bfloat16", True)):
+    for interleaved in (False, True):
+        x, cos, sin, ids = make_arrays(np.random.default_rng(0), (1, 1, 1, 128), dtype)
+        storage = storage_dtype(x.dtype)
+        view = (lambda a: a) if storage is None else (lambda a: a.view(storage))
+
+        def make_steps(interleaved, words):  # the options as constants
+            @njit
+            def steps(x_row, cos_row, sin_row, out_row):
+                return vector_pairs(
+                    x_row, cos_row, sin_row, out_row, 64, 1.0, interleaved, words, True
+                )
+
+            return steps
+
+        steps = make_steps(interleaved, words)
+        rows = (view(x)[0, 0, 0], view(cos)[0], view(sin)[0], np.empty_like(view(x)[0, 0, 0]))
+        steps(*rows)
+        asm = steps.inspect_asm(steps.signatures[0])
+        report[dtype + (" interleaved" if interleaved else "") + " streaming steps"] = {
+            "fma": len(re.findall(r"\bv?f(n?m(add|sub)|madd|msub)\w*", asm)),
+            "zmm": asm.count("%zmm"), "ymm": asm.count("%ymm"),
+            "nontemporal": len(re.findall(r"\bv?movnt", asm)),
+            "ordinary stores": len(ordinary_store.findall(asm)),
+            "bf16": asm.count("vcvtne2ps2bf16"), "fpclass": asm.count("vfpclassps"),
+        }
 # rope_cache's cos/sin: double-double arithmetic (Dekker's split and products), which a
 # fused multiply-add would silently change.
 from numba import typeof
@@ -111,6 +148,8 @@ def test_kernels_compiled_for_other_x86_cpus_contain_no_fma(tmp_path, cpu):
         assert counts["fma"] == 0, f"{cpu} {variant}: fused multiply-add in the kernel"
         if "streaming" in variant:
             assert counts["nontemporal"] > 0, f"{cpu} {variant}: no non-temporal store"
+        if variant.endswith("streaming steps"):
+            assert counts["ordinary stores"] == 0, f"{cpu} {variant}: ordinary stores"
         if not variant.startswith("cos/sin"):  # scalar double-double code
             assert counts["ymm"] + counts["zmm"] > 0, f"{cpu} {variant}: not vectorized"
         # The hand-written vector steps (streaming rows, bfloat16 words) are 16 lanes,

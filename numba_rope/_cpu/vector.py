@@ -30,7 +30,9 @@ from numba_rope._conversions import (
     bfloat16_high_code,
     bfloat16_low_code,
     bfloat16_pair_vector_code,
+    float16_integer_code,
     has_bfloat16_instructions,
+    has_float16_arithmetic,
     narrow_code,
     widen_code,
 )
@@ -96,6 +98,7 @@ class _Stream:
         self.builder = builder
         self.intp = context.get_value_type(types.intp)
         self.nontemporal = builder.module.add_metadata([ir.Constant(_LANE, 1)])
+        self.float16_arithmetic = has_float16_arithmetic(context)
 
     def pointer(self, array, index, lanes, element=None):
         element = array.data.type.pointee if element is None else element
@@ -118,8 +121,18 @@ class _Stream:
     def store(self, value, array, index, numba_type, lanes, nontemporal=True):
         """``value`` narrowed to ``numba_type``, stored at ``index``: non-temporally
         (:meth:`nontemporal_store`), or an ordinary store."""
-        narrowed = narrow_code(self.builder, numba_type, value)
+        narrowed = self.narrow(value, numba_type, nontemporal)
         self.put(narrowed, array, index, lanes, numba_type, nontemporal)
+
+    def narrow(self, value, numba_type, nontemporal):
+        """:func:`narrow_code` of a vector for a store; for a non-temporal one of float16 on
+        AVX512-FP16 targets, :func:`float16_integer_code` (the same bits), without which
+        LLVM made the stores ordinary ones: a float16 partial rotation (rows part
+        cached, part streamed) ran 16x slower on an Intel VM (docs/performance.md,
+        "Thirteenth session")."""
+        if nontemporal and numba_type == types.uint16 and self.float16_arithmetic:
+            return float16_integer_code(self.builder, value)
+        return narrow_code(self.builder, numba_type, value)
 
     def store_joined(self, first, second, lanes, array, index, numba_type, nontemporal):
         """Two vectors narrowed to ``numba_type`` each, joined by the shuffle ``lanes``
@@ -128,8 +141,8 @@ class _Stream:
         lanes on the Zen 4 VM, and into a register joined to its neighbour and stored
         2.0 (``/tmp/s10/cvt.py``, not kept; eight lanes into memory: 4.1)."""
         joined = self.shuffle(
-            narrow_code(self.builder, numba_type, first),
-            narrow_code(self.builder, numba_type, second),
+            self.narrow(first, numba_type, nontemporal),
+            self.narrow(second, numba_type, nontemporal),
             lanes,
         )
         self.put(joined, array, index, len(lanes), numba_type, nontemporal)
