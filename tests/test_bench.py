@@ -146,6 +146,39 @@ def test_the_in_place_row_rotates_a_tensor_on_a_line_boundary(dtype):
     assert bench.on_line_boundary(np.arange(7, dtype=np.float16)[1:]).ctypes.data % 64 == 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_preallocated_outputs_start_on_a_line_for_every_implementation(dtype):
+    # out= of numba_rope, onnxruntime's bound output and the copies' targets alike, so
+    # that no row's ratio depends on where NumPy's allocator put its output; each still
+    # holds its implementation's result.
+    case = bench.make_case("seed", dtype)
+    names = ("numba_rope", "onnxruntime", "np.copyto (1 thread)", "copy (numba")
+    seen = set()
+    for implementation in bench.implementations("cpu", 2):
+        name = implementation.name
+        if name not in names[:3] and not name.startswith(names[3]):
+            continue
+        try:
+            prepared = implementation.prepare(case, bench.CpuTarget(), 2)
+        except bench.Unavailable:
+            continue  # onnxruntime not installed
+        prepared.call()
+        output = prepared.output()
+        assert output.ctypes.data % 64 == 0, implementation.name
+        assert output.shape == case.input.shape and output.flags.c_contiguous
+        kind = "copy" if "copy" in implementation.name else "rope"
+        expected = (
+            case.input
+            if kind == "copy"
+            else reference.rotary_embedding(
+                case.input, case.cos_cache, case.sin_cache, case.position_ids
+            )
+        )
+        assert bench.check_output(case, kind, output, expected)[0], implementation.name
+        seen.add(name)
+    assert {"numba_rope", "np.copyto (1 thread)", "copy (numba, 2 threads)"} <= seen
+
+
 def test_bytes_count_each_distinct_cache_row_once():
     case = bench.make_case("seed", "float16")
     distinct = len({6, 2, 1, 7, 8, 3})

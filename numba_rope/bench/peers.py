@@ -17,7 +17,7 @@ import numpy as np
 
 import numba_rope
 from numba_rope.bench.gpu import TorchArrays, installed
-from numba_rope.bench.targets import Unavailable
+from numba_rope.bench.targets import Unavailable, empty_on_line
 from numba_rope.bench.workloads import Case, as_dtype
 
 # ------------------------------------------------------------------ formulas and models
@@ -137,7 +137,7 @@ def _numba_copy(case: Case, tgt: Any, threads: int) -> Prepared:
 def _numpy_copyto(case: Case, tgt: Any, threads: int) -> Prepared:
     if tgt.name != "cpu":
         raise Unavailable("host only", everywhere=True)
-    x, out = case.input, np.empty_like(case.input)
+    x, out = case.input, empty_on_line(case.input.shape, case.input.dtype)
     return Prepared(lambda: np.copyto(out, x), lambda: out)
 
 
@@ -221,9 +221,7 @@ def on_line_boundary(array: np.ndarray, boundary: int = 64) -> np.ndarray:
     >>> on_line_boundary(np.arange(5.0)).ctypes.data % 64
     0
     """
-    raw = np.empty(array.nbytes + boundary, np.uint8)
-    start = -raw.ctypes.data % boundary
-    copy = raw[start : start + array.nbytes].view(array.dtype).reshape(array.shape)
+    copy = empty_on_line(array.shape, array.dtype, boundary)
     np.copyto(copy, array)
     return copy
 
@@ -299,7 +297,7 @@ def _onnxruntime(case: Case, tgt: Any, threads: int) -> Prepared:
     caller that keeps the call and drops the rest does not have it write into freed
     memory."""
     session, feeds = _onnxruntime_session(case, tgt, threads)
-    out = np.empty_like(case.input)
+    out = empty_on_line(case.input.shape, case.input.dtype)
     binding = session.io_binding()
     for name, array in feeds.items():
         binding.bind_cpu_input(name, array)
