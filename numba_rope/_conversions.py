@@ -240,10 +240,11 @@ def _target_has(context, features, named_cpus) -> bool:
     ``features`` (LLVM's names, ``+`` first): from the features numba compiles for, or
     where those are empty (a CPU named alone), whether its name is in ``named_cpus``."""
     codegen = context.codegen()
+    # numba's private names (numba 0.68's CPUCodegen); without them, neither choice.
     compiled_for = getattr(codegen, "_tm_features", "")
     if compiled_for:
         return set(features) <= set(compiled_for.split(","))
-    return codegen._get_host_cpu_name() in named_cpus
+    return getattr(codegen, "_get_host_cpu_name", lambda: "")() in named_cpus
 
 
 def has_bfloat16_instructions(context) -> bool:
