@@ -266,25 +266,19 @@ def has_float16_arithmetic(context) -> bool:
 
 
 def float16_integer_code(builder, value):
-    """:func:`narrow_code` of a vector of float32 (a multiple of 8 lanes) into float16
-    storage, through the F16C / AVX-512 conversion intrinsics, whose results are
-    integer vectors: the same instructions and bits as LLVM's ``fptrunc``, but no
-    vector of ``half`` for LLVM's instruction selection, which on AVX512-FP16 targets
-    made non-temporal stores of such vectors ordinary ones."""
+    """:func:`narrow_code` of a vector of 8, 16 or 32 float32 into float16 storage,
+    through the F16C / AVX-512 conversion intrinsics, whose results are integer
+    vectors: the same instructions and bits as LLVM's ``fptrunc``, but no vector of
+    ``half`` for LLVM's instruction selection, which on AVX512-FP16 targets made
+    non-temporal stores of such vectors ordinary ones."""
     lanes = value.type.count
-    if lanes in (8, 16):
+    if lanes != 32:
         return _float16_integer_piece(builder, value)
-    assert lanes % 16 == 0, lanes
-    pieces = [
+    low, high = (
         _float16_integer_piece(builder, _lanes_of(builder, value, list(range(first, first + 16))))
-        for first in range(0, lanes, 16)
-    ]
-    while len(pieces) > 1:
-        pieces = [
-            _lanes_of(builder, pieces[k], list(range(2 * pieces[k].type.count)), pieces[k + 1])
-            for k in range(0, len(pieces), 2)
-        ]
-    return pieces[0]
+        for first in (0, 16)
+    )
+    return _lanes_of(builder, low, list(range(32)), high)
 
 
 def _lanes_of(builder, first, lanes, second=None):
@@ -294,7 +288,9 @@ def _lanes_of(builder, first, lanes, second=None):
 
 
 def _float16_integer_piece(builder, value):
+    """:func:`float16_integer_code` of 8 or 16 lanes: one conversion."""
     lanes = value.type.count
+    assert lanes in (8, 16), lanes
     storage = ir.VectorType(_I16, lanes)
     current_rounding = ir.Constant(_I32, 4)  # MXCSR's: to nearest even
     if lanes == 16:

@@ -17,10 +17,12 @@ from oracles import BFLOAT16, bits
 from numba_rope._conversions import (
     BFLOAT16_STORAGE,
     FLOAT16_STORAGE,
+    _target_has,
     bfloat16_high,
     bfloat16_low,
     bfloat16_pair,
     bfloat16_pair_vector_code,
+    float16_integer_code,
     has_bfloat16_instructions,
     narrow_like,
     widen,
@@ -270,6 +272,54 @@ def test_bfloat16_vector_words_round_like_one_element(rng, lanes, instructions):
             np.testing.assert_array_equal(got[:, column][nan], 0x7FC0 | (sign << 15), case)
     asm = run.inspect_asm(run.signatures[0])
     assert ("vcvtne2ps2bf16" in asm) == instructions
+
+
+def _float16_integer_narrower(lanes):
+    """A function that narrows float32 ``values`` into float16 storage ``lanes`` at a
+    time with :func:`float16_integer_code` (the streaming stores' conversion on
+    AVX512-FP16 targets)."""
+    vector = ir.VectorType(ir.FloatType(), lanes)
+    stored = ir.VectorType(ir.IntType(16), lanes)
+
+    @intrinsic
+    def narrow(typingctx, values, out, start):
+        def codegen(context, builder, signature, args):
+            def pointer(index, vector_type):
+                array = context.make_array(signature.args[index])(context, builder, args[index])
+                element = builder.gep(array.data, [args[2]])
+                return builder.bitcast(element, vector_type.as_pointer())
+
+            loaded = builder.load(pointer(0, vector), align=4)
+            builder.store(float16_integer_code(builder, loaded), pointer(1, stored), align=2)
+            return context.get_dummy_value()
+
+        return types.none(values, out, start), codegen
+
+    @njit
+    def run(values, out):
+        for start in range(0, values.size - lanes + 1, lanes):
+            narrow(values, out, start)
+
+    return run
+
+
+@pytest.mark.parametrize("lanes", [8, 16, 32])
+def test_float16_integer_conversion_rounds_like_numpy(rng, lanes):
+    # The F16C / AVX-512 intrinsics behind float16's non-temporal stores on AVX512-FP16
+    # targets: round to nearest even (MXCSR's mode, never changed by the package), as
+    # NumPy's float16 cast; 32 lanes as two conversions joined, in order. Runs where
+    # the host has the instructions (F16C for 8 lanes, AVX-512F for 16 and 32).
+    needed = ("+f16c",) if lanes == 8 else ("+avx512f",)
+    if not _target_has(cpu_target.target_context, needed, ()):
+        pytest.skip(f"this CPU has no {needed[0][1:]}")
+    values = _interesting_float32(rng)
+    values = values[: values.size // lanes * lanes]
+    got = np.empty(values.size, FLOAT16_STORAGE)
+    _float16_integer_narrower(lanes)(values, got)
+    with np.errstate(all="ignore"):
+        want = values.astype(np.float16)
+    np.testing.assert_array_equal(bits(got.view(np.float16)), bits(want))
+    assert np.array_equal(np.isnan(got.view(np.float16)), np.isnan(values))
 
 
 def test_bfloat16_instructions_follow_the_target():
