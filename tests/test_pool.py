@@ -46,10 +46,38 @@ def test_on_by_default_for_large_outputs_within_its_bound(rng):
         half = np.ascontiguousarray(x[:, :4])
         for _ in range(3):
             small = numba_rope.rotary_embedding(half, cos, sin, ids)
-            assert small.base is None  # under pool.MIN_BYTES: NumPy's allocation
+            assert pool.held_bytes() == x.nbytes  # under pool.MIN_BYTES: not pooled
         assert_bitwise_equal(small, expected[:, :4])
     finally:
         pool.clear()
+
+
+def _on_line(array):
+    return _address(array) % 64 == 0
+
+
+@pytest.mark.parametrize("shape", [(64, 32, 1, 128), (2, 4, 512, 32)], ids=["decode", "prefill"])
+def test_float32_outputs_of_allocating_calls_start_on_lines(rng, shape):
+    # From pool.LINE_MIN_BYTES up, below the pool's bound: the general path, then the
+    # compiled plan's (the third call), one tensor and q with k, on a line every time,
+    # whatever glibc's heap state (small arrays allocated in between move it).
+    assert pool.LINE_MIN_BYTES <= 4 * np.prod(shape) < pool.MIN_BYTES
+    x, cos, sin, ids = make_case(rng, shape, np.float32)
+    k = np.ascontiguousarray(x[:, : shape[1] // 4])
+    expected = float32_contract(x, cos, sin, ids)
+    for step in range(4):
+        clutter = [np.empty(16 * step + 8, np.uint8) for _ in range(step + 1)]
+        out = numba_rope.rotary_embedding(x, cos, sin, ids)
+        q_out, k_out = numba_rope.rotary_embedding_qk(x, k, cos, sin, ids)
+        assert _on_line(out) and _on_line(q_out), step
+        assert out.flags.c_contiguous and out.flags.writeable and out.shape == x.shape
+        assert_bitwise_equal(out, expected)
+        assert_bitwise_equal(q_out, expected)
+        assert_bitwise_equal(k_out, expected[:, : shape[1] // 4])
+        del clutter
+    three_d = x.transpose(0, 2, 1, 3).reshape(shape[0], shape[2], -1)
+    for _ in range(3):
+        assert _on_line(numba_rope.rotary_embedding(three_d, cos, sin, ids, num_heads=shape[1]))
 
 
 @pytest.mark.parametrize(

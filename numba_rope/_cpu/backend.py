@@ -662,9 +662,11 @@ def make_plan(
     # tokens) rather than from each call's strides: an order only, never the bits.
     by_token = x_logical[2] == 1 or (to_bhsd and x_logical[1] > 1)
     batch, heads, seq_len = x_logical[0], max(x_logical[1], k_logical[1]), x_logical[2]
-    # Outputs as large as the pool takes (reached here only with the constants raised).
-    empty_x = pool.empty if inputs[0].nbytes >= pool.MIN_BYTES else np.empty
-    empty_k = pool.empty if inputs[-1].nbytes >= pool.MIN_BYTES else np.empty
+    # Outputs that pool.empty places: pooled (reached here only with the constants
+    # raised) or float32 on lines.
+    placed = pool.LINE_MIN_BYTES if call.dtype == np.float32 else pool.MIN_BYTES
+    empty_x = pool.empty if inputs[0].nbytes >= placed else np.empty
+    empty_k = pool.empty if inputs[-1].nbytes >= placed else np.empty
     chosen: dict[tuple[bool, int], tuple] = {}  # kernels and options by (contiguous, in_place)
     runners: dict[tuple, int] = {}  # the helper's runners, by the same and the helper
     splits: dict[tuple[int, int], tuple[int, int, int]] = {}  # by the tuning constants
@@ -945,7 +947,9 @@ def fast_call(
     call: a forked child has its own."""
     storage, cache_storage = storage_dtype(dtype), storage_dtype(cache_dtype)
     views = storage is not None or cache_storage is not None or to_bhsd
-    ndarray, empty = np.ndarray, np.empty
+    ndarray, empty, placing = np.ndarray, np.empty, pool.empty
+    # Outputs that pool.empty places (see make_plan), the others NumPy's.
+    placed = pool.LINE_MIN_BYTES if dtype == np.float32 else pool.MIN_BYTES
 
     def view(array: np.ndarray, split: tuple[int, ...] | None) -> np.ndarray:
         # An input or output as the kernels take it (bhsd_array with its steps made
@@ -970,7 +974,7 @@ def fast_call(
                 if position_ids is None:
                     return None
             if out is None:
-                out = empty(x.shape, dtype)
+                out = (empty if x.nbytes < placed else placing)(x.shape, dtype)
             elif type(out) is not ndarray or (out.dtype is not dtype and out.dtype != dtype):
                 return None
             x_view, out_view = x, out
@@ -1004,11 +1008,11 @@ def fast_call(
             if position_ids is None:
                 return None
         if out is None:
-            out = empty(x.shape, dtype)
+            out = (empty if x.nbytes < placed else placing)(x.shape, dtype)
         elif type(out) is not ndarray or (out.dtype is not dtype and out.dtype != dtype):
             return None
         if out_k is None:
-            out_k = empty(k.shape, dtype)
+            out_k = (empty if k.nbytes < placed else placing)(k.shape, dtype)
         elif type(out_k) is not ndarray or (out_k.dtype is not dtype and out_k.dtype != dtype):
             return None
         x_view, k_view, out_view, out_k_view = x, k, out, out_k

@@ -36,6 +36,13 @@ from numba_rope import config
 #: MiB 1.5x (``np.copyto`` of ones, medians of 41).
 MIN_BYTES = 16 << 20
 
+#: float32 outputs of at least this many bytes that are not pooled start on a 64-byte
+#: line (:func:`empty_on_line`), as torch's tensors and onnxruntime's arena buffers do;
+#: NumPy's allocator puts them wherever glibc's heap has room, often 16, 32 or 48
+#: bytes past one, where each of the kernels' 64-byte float32 stores spans two lines
+#: (docs/performance.md, "Fourteenth session").
+LINE_MIN_BYTES = 256 << 10
+
 _lock = threading.Lock()
 _buffers: list[np.ndarray] = []  # uint8 owners, least recently handed out first
 
@@ -57,10 +64,12 @@ _USABLE = getattr(sys, "_is_gil_enabled", lambda: True)()
 def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialized C-contiguous array of ``shape`` and ``dtype``: a pooled buffer
     that nothing refers to any more when the pool is on and the array large enough,
-    else a new NumPy array."""
+    else a new array, on a line for float32 from :data:`LINE_MIN_BYTES` up."""
     limit = config.OUTPUT_POOL_BYTES
     nbytes = math.prod(shape) * dtype.itemsize
     if not limit or nbytes < MIN_BYTES or nbytes > limit or not _USABLE:
+        if nbytes >= LINE_MIN_BYTES and dtype == np.float32:
+            return empty_on_line(shape, dtype)
         return np.empty(shape, dtype)
     with _lock:
         buffer = None
@@ -73,6 +82,19 @@ def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
             _trim(limit - nbytes)
         _buffers.append(buffer)  # the most recently handed out last
         return buffer.view(dtype).reshape(shape)
+
+
+def empty_on_line(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized C-contiguous array of ``shape`` and ``dtype`` whose data start
+    on a 64-byte line: a view of a NumPy byte array 64 bytes longer (its ``base``).
+
+    >>> empty_on_line((3, 5), np.dtype(np.float32)).__array_interface__["data"][0] % 64
+    0
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -raw.__array_interface__["data"][0] % 64
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def _trim(limit: int) -> None:
