@@ -5,9 +5,10 @@ contract rounds twice; nor has ``rope_cache``'s cos/sin, whose double-double ari
 depends on it. The vector registers each target's code uses are reported, and the
 hand-written vector steps must use the full 512 bits on the AVX-512 targets; bfloat16
 results are narrowed with AVX512_BF16's instruction on the targets that have it (znver4,
-sapphirerapids) only, not on an Emerald Rapids whose hypervisor hides it and AVX512-FP16,
-whose instructions appear on no target without it; and the streaming vector steps store every result non-temporally
-(sapphirerapids, whose AVX512-FP16 changes how LLVM handles float16 vectors, included)."""
+sapphirerapids) only, not on an Emerald Rapids whose hypervisor hides it and
+AVX512-FP16, whose instructions appear on no target without it; and the streaming
+vector steps store every result non-temporally (sapphirerapids, whose AVX512-FP16
+changes how LLVM handles float16 vectors, included)."""
 
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ for dtype, words in (("float32", False), ("float16", False), ("bfloat16", True))
             "nontemporal": len(re.findall(r"\bv?movnt", asm)),
             "ordinary stores": len(ordinary_store.findall(asm)),
             "bf16": asm.count("vcvtne2ps2bf16"), "fpclass": asm.count("vfpclassps"),
-        "fp16": len(FP16.findall(asm)),
+            "fp16": len(FP16.findall(asm)),
         }
 # rope_cache's cos/sin: double-double arithmetic (Dekker's split and products), which a
 # fused multiply-add would silently change.
