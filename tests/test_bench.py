@@ -309,6 +309,33 @@ def test_time_calls_batches_small_calls():
     assert single.calls_per_sample == 1 and single.samples == 5
 
 
+def test_time_calls_runs_between_before_each_sample_untimed():
+    events = []
+    timing = bench.time_calls(
+        lambda: events.append("call"),
+        3,
+        batch_seconds=1e-3,
+        warmup=0,
+        between=lambda: events.append("between"),
+    )
+    number = timing.calls_per_sample
+    assert events == ["call"] * 3 + (["between"] + ["call"] * number) * 3
+
+
+def test_the_in_place_row_starts_each_sample_from_the_input():
+    # Rotated again and again, a bfloat16 tensor drifts (its cos and sin are rounded);
+    # reset copies the input back between samples, bit for bit.
+    case = bench.make_case("seed", "bfloat16")
+    in_place = next(i for i in bench.implementations("cpu", 1) if i.name.endswith("(in place)"))
+    prepared = in_place.prepare(case, bench.CpuTarget(), 1)
+    for _ in range(5):
+        prepared.call()
+    assert not np.array_equal(prepared.output().view(np.uint16), case.input.view(np.uint16))
+    assert prepared.reset is not None
+    prepared.reset()
+    assert np.array_equal(prepared.output().view(np.uint16), case.input.view(np.uint16))
+
+
 def test_time_calls_stops_at_its_budget():
     timing = bench.time_calls(lambda: None, 10_000, budget_seconds=0.0, warmup=0)
     assert timing.samples == 3

@@ -108,10 +108,12 @@ def onnx_rotary_model(
 
 @dataclass
 class Prepared:
-    """A ready-to-time call and a way to read its last output on the host."""
+    """A ready-to-time call, a way to read its last output on the host, and what to
+    run before each timed sample (None: nothing)."""
 
     call: Callable[[], object]
     output: Callable[[], np.ndarray]
+    reset: Callable[[], object] | None = None
 
 
 @dataclass(frozen=True)
@@ -199,19 +201,30 @@ def _numba_rope_in_place(case: Case, tgt: Any, threads: int) -> Prepared:
     ``malloc`` put a copy (16 bytes past a page for a fresh mapping, anywhere on the
     heap once a peer has raised glibc's mapping threshold) changed the partial
     workload's float16 row 2.5x from run to run (see ``docs/performance.md``, "Eighth
-    session")."""
+    session").
+
+    Before each timed sample the input is copied back (``reset``, untimed): rotated
+    again and again by the same rounded angles, whose cos² + sin² is not 1, a tensor
+    grows or shrinks geometrically, and after 20,000-60,000 calls of the decode step
+    holds infinities, NaNs and subnormals, whose float32 arithmetic took the bfloat16
+    decode in a loop of its own from 29 to 515-715 us a call (Emerald Rapids VM, see
+    ``docs/performance.md``, "Fourteenth session")."""
     _, cos, sin, ids = _device_arguments(case, tgt)
     x = tgt.put(on_line_boundary(case.input) if tgt.name == "cpu" else case.input.copy())
+    source = tgt.put(case.input)
     options = case.options
 
     def call():
         numba_rope.rotary_embedding(x, cos, sin, ids, out=x, **options)
         tgt.synchronize()
 
+    def reset():
+        tgt.copy(source, x)
+        tgt.synchronize()
+
     _first_call(call, tgt)
-    tgt.copy(tgt.put(case.input), x)
-    tgt.synchronize()
-    return Prepared(call, lambda: tgt.to_host(x))
+    reset()
+    return Prepared(call, lambda: tgt.to_host(x), reset)
 
 
 def on_line_boundary(array: np.ndarray, boundary: int = 64) -> np.ndarray:

@@ -253,6 +253,7 @@ def measure(
         batch_seconds=settings.batch_seconds if batched else 0.0,
         warmup=settings.warmup,
         budget_seconds=settings.budget_seconds / rounds,
+        between=prepared.reset,
     )
     moved = case.copy_bytes if copies else case.rope_bytes
     result.status = "ok"

@@ -49,12 +49,15 @@ def time_calls(
     batch_seconds: float = 0.0,
     warmup: int = 2,
     budget_seconds: float = math.inf,
+    between: Callable[[], object] | None = None,
 ) -> Timing:
     """Per-call median and 95th percentile of ``repeats`` samples after ``warmup`` calls.
 
     With ``batch_seconds`` > 0 a sample is a batch of calls lasting about that long
     (per-call time = batch time / calls). Sampling stops early, after at least three
-    samples, once ``budget_seconds`` have passed.
+    samples, once ``budget_seconds`` have passed. ``between``, if given, runs before
+    each sample, untimed (an in-place call's input restored, see
+    :class:`~numba_rope.bench.peers.Prepared`).
     """
     for _ in range(warmup):
         call()
@@ -69,6 +72,8 @@ def time_calls(
     samples = []
     began = time.perf_counter()
     for _ in range(max(1, repeats)):
+        if between is not None:
+            between()
         start = time.perf_counter()
         for _ in range(number):
             call()
