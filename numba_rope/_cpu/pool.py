@@ -28,6 +28,7 @@ import threading
 import numpy as np
 
 from numba_rope import config
+from numba_rope._aligned import empty_on_line
 
 #: Outputs smaller than this are left to NumPy's allocator: glibc reuses freed blocks
 #: below its mmap threshold (which rises up to 32 MiB as large blocks are freed)
@@ -37,10 +38,10 @@ from numba_rope import config
 MIN_BYTES = 16 << 20
 
 #: float32 outputs of at least this many bytes that are not pooled start on a 64-byte
-#: line (:func:`empty_on_line`), as torch's tensors and onnxruntime's arena buffers do;
-#: NumPy's allocator puts them wherever glibc's heap has room, often 16, 32 or 48
-#: bytes past one, where each of the kernels' 64-byte float32 stores spans two lines
-#: (docs/performance.md, "Fourteenth session").
+#: line (:func:`numba_rope._aligned.empty_on_line`), as torch's tensors and
+#: onnxruntime's arena buffers do; NumPy's allocator puts them wherever glibc's heap
+#: has room, often 16, 32 or 48 bytes past one, where each of the kernels' 64-byte
+#: float32 stores spans two lines (docs/performance.md, "Fourteenth session").
 LINE_MIN_BYTES = 256 << 10
 
 _lock = threading.Lock()
@@ -82,19 +83,6 @@ def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
             _trim(limit - nbytes)
         _buffers.append(buffer)  # the most recently handed out last
         return buffer.view(dtype).reshape(shape)
-
-
-def empty_on_line(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialized C-contiguous array of ``shape`` and ``dtype`` whose data start
-    on a 64-byte line: a view of a NumPy byte array 64 bytes longer (its ``base``).
-
-    >>> empty_on_line((3, 5), np.dtype(np.float32)).__array_interface__["data"][0] % 64
-    0
-    """
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + 64, np.uint8)
-    start = -raw.__array_interface__["data"][0] % 64
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def _trim(limit: int) -> None:

@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 import numba_rope
+from numba_rope._aligned import empty_on_line
 from numba_rope.bench.gpu import TorchArrays, installed
-from numba_rope.bench.targets import Unavailable, empty_on_line
+from numba_rope.bench.targets import Unavailable
 from numba_rope.bench.workloads import Case, as_dtype
 
 # ------------------------------------------------------------------ formulas and models

@@ -12,27 +12,10 @@ import numba
 import numpy as np
 from numba import prange
 
+from numba_rope._aligned import empty_on_line
 from numba_rope._jit import cached_njit
 from numba_rope.bench.checks import UNSIGNED
 from numba_rope.bench.workloads import DEVICES
-
-
-def empty_on_line(shape: tuple[int, ...], dtype, boundary: int = 64) -> np.ndarray:
-    """An uninitialized C-contiguous array whose data start on a multiple of
-    ``boundary`` bytes (a cache line), as torch's tensors and onnxruntime's arena
-    buffers do. The outputs the bench preallocates, for every implementation alike:
-    where NumPy's allocator puts an array (16 bytes past a line for some sizes and
-    heap states) changed the float32 decode step 1.3x on an Intel VM (see
-    ``docs/performance.md``, "Thirteenth session").
-
-    >>> empty_on_line((3, 5), np.float32).ctypes.data % 64
-    0
-    """
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    raw = np.empty(nbytes + boundary, np.uint8)
-    start = -raw.ctypes.data % boundary
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 class Unavailable(Exception):

@@ -1,0 +1,35 @@
+"""Uninitialized NumPy arrays whose data start on a cache line.
+
+NumPy's allocator puts an array wherever glibc's heap has room, often 16, 32 or 48
+bytes past a 64-byte line; then each 64-byte vector store of a kernel spans two lines.
+torch's tensors and onnxruntime's arena buffers start on lines. The CPU backend places
+large float32 outputs of allocating calls with this (``numba_rope._cpu.pool``), and the
+bench every output it preallocates, for every implementation alike (see
+``docs/performance.md``, "Thirteenth session" and "Fourteenth session").
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def empty_on_line(
+    shape: tuple[int, ...], dtype: np.typing.DTypeLike, boundary: int = 64
+) -> np.ndarray:
+    """An uninitialized C-contiguous array of ``shape`` and ``dtype`` whose data start
+    on a multiple of ``boundary`` bytes: a view of a NumPy byte array ``boundary``
+    bytes longer (its ``base``, which the view keeps alive).
+
+    >>> a = empty_on_line((3, 5), np.float32)
+    >>> a.shape, a.dtype, a.flags.c_contiguous, a.__array_interface__["data"][0] % 64
+    ((3, 5), dtype('float32'), True, 0)
+    >>> empty_on_line((4,), np.float16, boundary=4096).__array_interface__["data"][0] % 4096
+    0
+    """
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + boundary, np.uint8)
+    start = -raw.__array_interface__["data"][0] % boundary
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
