@@ -336,6 +336,27 @@ def test_the_in_place_row_starts_each_sample_from_the_input():
     assert np.array_equal(prepared.output().view(np.uint16), case.input.view(np.uint16))
 
 
+def test_the_in_place_row_resets_on_the_gpu_target():
+    # The same reset through CudaTarget.copy (device to device), under the simulator
+    # where there is no GPU: the target refuses the simulator only for timing.
+    import numba
+    from numba import cuda
+
+    if numba.config.ENABLE_CUDASIM:  # the target without its refusal of the simulator
+        target = bench.CudaTarget.__new__(bench.CudaTarget)
+        target.cuda = cuda
+    else:  # pragma: no cover - a GPU machine
+        target = bench.CudaTarget()
+    case = bench.make_case("seed", "float16")
+    in_place = next(i for i in bench.implementations("cuda", 1) if i.name.endswith("(in place)"))
+    prepared = in_place.prepare(case, target, 1)
+    prepared.call()
+    assert not np.array_equal(prepared.output().view(np.uint16), case.input.view(np.uint16))
+    assert prepared.reset is not None
+    prepared.reset()
+    assert np.array_equal(prepared.output().view(np.uint16), case.input.view(np.uint16))
+
+
 def test_time_calls_stops_at_its_budget():
     timing = bench.time_calls(lambda: None, 10_000, budget_seconds=0.0, warmup=0)
     assert timing.samples == 3
