@@ -74,11 +74,14 @@ def _bfloat16_to_float32(builder, bits):
     return builder.bitcast(builder.shl(wide, _constant(bits, 16)), _shaped(bits, ir.FloatType()))
 
 
-def _bfloat16_rounded_bits(builder, value):
+def _bfloat16_rounded_bits(builder, value, nan_free=False):
     """The bits of float32 ``value`` rounded to bfloat16 in their upper 16 bits (the
     lower 16 are garbage). ``value`` must be the result of arithmetic, so that a NaN
-    is a quiet one (IEEE 754 arithmetic never returns a signaling NaN)."""
+    is a quiet one (IEEE 754 arithmetic never returns a signaling NaN). With
+    ``nan_free`` the caller knows that no lane is a NaN, and the NaN code is left out."""
     bits = builder.bitcast(value, _shaped(value, _I32))
+    if nan_free:
+        return _rounded_to_nearest_even(builder, value, bits)
     # A quiet NaN becomes the canonical quiet NaN of its sign before rounding (rounding
     # a NaN's bits could carry into the sign). Quiet NaNs are the largest patterns of
     # each sign: as signed integers the positive ones lie above 0x7FC00000, as unsigned
@@ -89,6 +92,10 @@ def _bfloat16_rounded_bits(builder, value):
     negative_nan = _constant(value, 0xFFC00000)
     bits = builder.select(builder.icmp_signed(">", bits, positive_nan), positive_nan, bits)
     bits = builder.select(builder.icmp_unsigned(">", bits, negative_nan), negative_nan, bits)
+    return _rounded_to_nearest_even(builder, value, bits)
+
+
+def _rounded_to_nearest_even(builder, value, bits):
     # Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit.
     lowest_kept = builder.and_(builder.lshr(bits, _constant(value, 16)), _constant(value, 1))
     return builder.add(bits, builder.add(_constant(value, 0x7FFF), lowest_kept))
@@ -189,12 +196,48 @@ def bfloat16_high_code(builder, words):
     return builder.bitcast(masked, _shaped(words, ir.FloatType()))
 
 
-def bfloat16_pair_code(builder, low, high):
+def bfloat16_pair_code(builder, low, high, nan_free=False):
     """32-bit storage words of two float32 arithmetic results (scalars or vectors),
-    each rounded once to nearest even (see :func:`narrow_like`): ``low`` first."""
-    first = builder.lshr(_bfloat16_rounded_bits(builder, low), _constant(low, 16))
-    second = builder.and_(_bfloat16_rounded_bits(builder, high), _constant(high, _HIGH_HALF))
+    each rounded once to nearest even (see :func:`narrow_like`): ``low`` first.
+    ``nan_free``: see :func:`_bfloat16_rounded_bits`."""
+    first = builder.lshr(_bfloat16_rounded_bits(builder, low, nan_free), _constant(low, 16))
+    second = builder.and_(
+        _bfloat16_rounded_bits(builder, high, nan_free), _constant(high, _HIGH_HALF)
+    )
     return builder.or_(first, second)
+
+
+def _usual_unless_any(builder, flags, usual, rare):
+    """The value ``usual()`` builds, or ``rare()`` where any lane of the vector of
+    flags is true: one reduction and one branch, the rare side laid out of line."""
+    lanes = flags.type.count
+    reduce = builder.module.declare_intrinsic(
+        f"llvm.vector.reduce.or.v{lanes}i1", fnty=ir.FunctionType(ir.IntType(1), [flags.type])
+    )
+    with builder.if_else(builder.call(reduce, [flags]), likely=False) as (then, otherwise):
+        with then:
+            rare_value = rare()
+            rare_block = builder.block
+        with otherwise:
+            usual_value = usual()
+            usual_block = builder.block
+    value = builder.phi(usual_value.type)
+    value.add_incoming(usual_value, usual_block)
+    value.add_incoming(rare_value, rare_block)
+    return value
+
+
+def _bfloat16_pair_integer_vector_code(builder, low, high):
+    """:func:`bfloat16_pair_code` of two float32 vectors, the NaN code only for the
+    rare pair of vectors with a NaN lane: one unordered compare of ``low`` with
+    ``high`` (true in a lane where either is a NaN) and one test of its mask, where
+    the NaN code takes two minimums per vector."""
+    return _usual_unless_any(
+        builder,
+        builder.fcmp_unordered("uno", low, high),
+        lambda: bfloat16_pair_code(builder, low, high, nan_free=True),
+        lambda: bfloat16_pair_code(builder, low, high),
+    )
 
 
 # AVX512_BF16 narrows 32 float32 lanes to bfloat16 in one instruction (``vcvtne2ps2bf16``),
@@ -314,7 +357,7 @@ def bfloat16_pair_vector_code(builder, low, high, instructions):
     and a permutation for vectors without NaN or subnormal lanes, the same bits."""
     lanes = low.type.count
     if not instructions or lanes not in (8, 16):
-        return bfloat16_pair_code(builder, low, high)
+        return _bfloat16_pair_integer_vector_code(builder, low, high)
     module = builder.module
     flags = ir.VectorType(ir.IntType(1), lanes)
     classify = module.declare_intrinsic(
@@ -322,32 +365,22 @@ def bfloat16_pair_vector_code(builder, low, high, instructions):
     )
     test = ir.Constant(_I32, _NAN_OR_SUBNORMAL)
     special = builder.or_(builder.call(classify, [low, test]), builder.call(classify, [high, test]))
-    reduce = module.declare_intrinsic(
-        f"llvm.vector.reduce.or.v{lanes}i1", fnty=ir.FunctionType(ir.IntType(1), [flags])
+
+    def converted():
+        narrowed = ir.VectorType(_BFloatType(), 2 * lanes)
+        convert = module.declare_intrinsic(
+            f"llvm.x86.avx512bf16.cvtne2ps2bf16.{32 * lanes}",
+            fnty=ir.FunctionType(narrowed, [low.type, high.type]),
+        )
+        halves = builder.bitcast(builder.call(convert, [high, low]), ir.VectorType(_I16, 2 * lanes))
+        order = [lane + half * lanes for lane in range(lanes) for half in (0, 1)]
+        mask = ir.Constant(ir.VectorType(_I32, 2 * lanes), order)
+        pairs = builder.shuffle_vector(halves, halves, mask)
+        return builder.bitcast(pairs, ir.VectorType(_I32, lanes))
+
+    return _usual_unless_any(
+        builder, special, converted, lambda: bfloat16_pair_code(builder, low, high)
     )
-    rare = builder.call(reduce, [special])
-    with builder.if_else(builder.not_(rare), likely=True) as (fast, slow):
-        with fast:
-            narrowed = ir.VectorType(_BFloatType(), 2 * lanes)
-            convert = module.declare_intrinsic(
-                f"llvm.x86.avx512bf16.cvtne2ps2bf16.{32 * lanes}",
-                fnty=ir.FunctionType(narrowed, [low.type, high.type]),
-            )
-            halves = builder.bitcast(
-                builder.call(convert, [high, low]), ir.VectorType(_I16, 2 * lanes)
-            )
-            order = [lane + half * lanes for lane in range(lanes) for half in (0, 1)]
-            mask = ir.Constant(ir.VectorType(_I32, 2 * lanes), order)
-            pairs = builder.shuffle_vector(halves, halves, mask)
-            fast_words = builder.bitcast(pairs, ir.VectorType(_I32, lanes))
-            fast_block = builder.block
-        with slow:
-            slow_words = bfloat16_pair_code(builder, low, high)
-            slow_block = builder.block
-    words = builder.phi(fast_words.type)
-    words.add_incoming(fast_words, fast_block)
-    words.add_incoming(slow_words, slow_block)
-    return words
 
 
 @intrinsic

@@ -237,8 +237,9 @@ _HOST_HAS_BFLOAT16_INSTRUCTIONS = has_bfloat16_instructions(cpu_target.target_co
 def test_bfloat16_vector_words_round_like_one_element(rng, lanes, instructions):
     # The word loops' vectors of pairs, with AVX512_BF16's conversion where the CPU has
     # it: vectors of normal numbers, zeros and infinities take it; a vector with one NaN
-    # or subnormal lane (anywhere, in either half) the integer code. Both give the
-    # oracle's bits, ties, overflow to infinity and NaN included.
+    # or subnormal lane (anywhere, in either half) the integer code. Without it, the
+    # integer code leaves its NaN handling to vectors with a NaN lane. Every path gives
+    # the oracle's bits, ties, overflow to infinity and NaN included.
     values = np.concatenate(
         [_interesting_float32(rng), np.array(QUIET_NANS, np.uint32).view(np.float32)]
     )
