@@ -259,19 +259,62 @@ def _claims_across_a_new_job(block):
 
 
 def test_a_claim_word_of_the_last_job_claims_nothing_of_the_next():
-    # The helper reads CLAIM, then CHUNKS, then swaps the word it read for the next
-    # chunk. A word read during the last job (its chunk past that job's end) must
+    # The helper reads CLAIM, then CHUNKS, then swaps the word it read for one with a
+    # chunk more taken. A word read during the last job (no chunk left of it) must
     # claim nothing of the next job once that job's CHUNKS are larger: publishing
-    # closes the old word (new generation, chunk field full) before it writes CHUNKS,
-    # then opens it at chunk 0. When CHUNKS changed first, a helper between the two
+    # closes the old word (new generation, caller's count full) before it writes
+    # CHUNKS, then opens it with no chunk taken. When CHUNKS changed first, a helper between the two
     # ran a chunk of the new job that the job handed out again (rotated twice in
     # place) and counted it as finished.
     block = np.zeros(relay.BLOCK_SLOTS, np.int64)
     prepared, opened, fresh, caller = _claims_across_a_new_job(block)
     assert prepared == (-1, -1)  # neither the stale word nor the closed one
     assert opened == (-1, -1)
-    assert (fresh, caller) == (0, 1)  # the open job hands out chunk 0, then 1
+    assert (fresh, caller) == (7, 0)  # the open job: its last chunk, then its first
     assert block[relay.CHUNKS] == 8 and block[relay.FINISHED] == 0
+
+
+@numba.njit
+def _claims_in_turns(block, n_chunks, turns):
+    """The chunks the caller (turn 0) and the helper (turn 1) claim, in the order of
+    ``turns``, of a job of ``n_chunks`` chunks (no runner is called): -1 where a claim
+    found none."""
+    relay.publish(block, 0, n_chunks)
+    claimed = np.empty(turns.size, np.int64)
+    for i in range(turns.size):
+        if turns[i] == 0:
+            chunk = relay.claim_own(block)
+            claimed[i] = chunk if chunk < n_chunks else -1
+        else:
+            claimed[i] = relay.try_claim(block, relay.atomic_load(block, relay.CLAIM))
+    return claimed
+
+
+@pytest.mark.parametrize("n_chunks", [1, 2, 3, 8, 9, relay.MAX_CHUNKS])
+def test_the_caller_claims_from_the_front_and_the_helper_from_the_back(rng, n_chunks):
+    # Whatever the order of their claims, the caller takes the first chunks in order
+    # and the helper the last ones, from the end: each chunk once, none after they
+    # meet. So each thread rotates the same rows call after call while both keep pace.
+    block = np.zeros(relay.BLOCK_SLOTS, np.int64)
+    orders = [np.zeros(n_chunks + 2, np.int64), np.ones(n_chunks + 2, np.int64)]
+    orders += [rng.integers(0, 2, n_chunks + 2) for _ in range(20)]
+    for turns in orders:
+        claimed = _claims_in_turns(block, n_chunks, turns)
+        caller = claimed[(turns == 0) & (claimed >= 0)]
+        helper = claimed[(turns == 1) & (claimed >= 0)]
+        assert np.array_equal(caller, np.arange(caller.size))
+        assert np.array_equal(helper, n_chunks - 1 - np.arange(helper.size))
+        assert caller.size + helper.size == n_chunks  # all taken, none twice
+        taken = np.flatnonzero(claimed >= 0)
+        assert (claimed[taken[-1] + 1 :] == -1).all()  # nothing after the last one
+
+
+def test_jobs_shared_with_the_helper_have_at_most_the_chunks_its_claims_count(monkeypatch):
+    # The claims count chunks in 16-bit fields: a job never has more than MAX_CHUNKS,
+    # whatever CHUNKS_PER_THREAD asks; numba's parallel regions are not held to it.
+    monkeypatch.setattr(config, "CHUNKS_PER_THREAD", 10**6)
+    assert cpu_backend.work_split(10**6, 32, 1, True, 2)[2] == relay.MAX_CHUNKS
+    assert cpu_backend.work_split(10**6, 32, 1, True)[2] > relay.MAX_CHUNKS
 
 
 def test_jobs_of_more_chunks_after_fewer_rotate_each_chunk_once(rng, monkeypatch):

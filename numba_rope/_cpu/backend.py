@@ -53,6 +53,7 @@ from numba_rope._cpu.kernels import (
     planned_shared,
     planned_shared_one,
 )
+from numba_rope._cpu.relay import MAX_CHUNKS
 from numba_rope._cpu.vector import STREAM_ALIGNMENT
 from numba_rope._geometry import (
     SWAP_HEADS_AND_TOKENS,
@@ -356,9 +357,10 @@ def work_split(
 
     Tiles of ``config.TOKENS_PER_TILE`` tokens; on one thread one group of all heads.
     In parallel, ``n_chunks`` = threads (numba's, unless ``threads`` is given: 2 for
-    the caller and the helper thread) x ``config.CHUNKS_PER_THREAD`` chunks of units,
-    and heads are split into groups only when there are fewer (batch, tile) units than
-    chunks (e.g. one long decode step with many heads). ``token_major`` (the kernels
+    the caller and the helper thread, with at most ``relay.MAX_CHUNKS`` chunks) x
+    ``config.CHUNKS_PER_THREAD`` chunks of units, and heads are split into groups only
+    when there are fewer (batch, tile) units than chunks (e.g. one long decode step
+    with many heads). ``token_major`` (the kernels
     that take a unit token by token, see :func:`token_major`): tiles short enough that
     each chunk gets whole tokens (consecutive memory) rather than a group of heads.
     """
@@ -366,8 +368,9 @@ def work_split(
     if not parallel:
         return tile, 1, 1
     if threads is None:
-        threads = numba.get_num_threads()
-    n_chunks = max(1, threads * config.CHUNKS_PER_THREAD)
+        n_chunks = max(1, numba.get_num_threads() * config.CHUNKS_PER_THREAD)
+    else:  # shared with the helper thread: at most what its claims can count
+        n_chunks = max(1, min(threads * config.CHUNKS_PER_THREAD, MAX_CHUNKS))
     if token_major and seq_len > 1:
         tiles_per_sequence = -(-n_chunks // max(batch, 1))
         tile = max(1, min(tile, -(-seq_len // tiles_per_sequence)))

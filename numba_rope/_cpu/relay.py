@@ -16,11 +16,15 @@ depend on the split.
 The control block is an int64 array of :data:`BLOCK_SLOTS` slots, its counters on
 cache lines of their own:
 
-* ``CLAIM``: the job's generation (bits 24 and up) and the next chunk to take. The
-  caller takes chunks with an atomic add; the helper with a compare-and-swap of the
-  whole word, so that a helper that read an old job's word claims nothing of a new one
-  (a new job closes the old word before it says how many chunks it has: see
-  :func:`prepare`).
+* ``CLAIM``: the job's generation (bits 32 and up), the chunks the helper has taken
+  (bits 16 to 31) and the next chunk the caller takes (bits 0 to 15). The caller takes
+  chunks from the front with an atomic add; the helper from the back, with a
+  compare-and-swap of the whole word, so that a helper that read an old job's word
+  claims nothing of a new one (a new job closes the old word before it says how many
+  chunks it has: see :func:`prepare`). From both ends, each thread rotates the same
+  rows call after call while both keep pace (a decode step's input and output stay in
+  the cache of the core that rotated them last: in the order of claims, they went to
+  either core by chance).
 * ``FINISHED``: chunks the helper has finished in this generation.
 * ``OWNER`` (1 while a caller runs a job: a second caller runs alone), ``RUNNER`` (the
   address of the compiled function that runs a chunk of this job's kind, see
@@ -72,9 +76,15 @@ FUTEX = 31  # the futex system call's number on this machine
 ARGUMENTS = 32
 BLOCK_SLOTS = 128
 
-#: ``CLAIM`` holds the generation above these bits and the next chunk below them.
-GENERATION_SHIFT = 24
-CHUNK_MASK = (1 << GENERATION_SHIFT) - 1
+#: ``CLAIM`` holds the generation from bit ``GENERATION_SHIFT`` on, the chunks the
+#: helper has taken from bit ``TAKEN_SHIFT`` on and the caller's next chunk below them,
+#: each count in ``CHUNK_MASK``. A job has at most ``MAX_CHUNKS`` chunks, so that the
+#: caller's count, which goes one past the last chunk, stays below ``CHUNK_MASK``
+#: (a closed word's caller count).
+TAKEN_SHIFT = 16
+GENERATION_SHIFT = 32
+CHUNK_MASK = (1 << TAKEN_SHIFT) - 1
+MAX_CHUNKS = CHUNK_MASK - 2
 
 #: Values of ``STATE``: not started (or stopped), serving (spinning or sleeping).
 STOPPED = 0
@@ -295,12 +305,12 @@ def take_ownership(block):
 def prepare(block, runner, n_chunks):
     """The first half of :func:`publish`: close the claims of the last job, then name
     this job's runner and chunks. Closed first: a helper that read the last job's
-    ``CLAIM`` word (its chunk past that job's end) and then this job's larger
+    ``CLAIM`` word (no chunk left of that job) and then this job's larger
     ``CHUNKS`` would otherwise still swap that word and run a chunk of this job that
     the job then hands out again (rotated twice, in place) and count it in
     ``FINISHED`` (the caller could return before the helper's real chunk is written).
-    Closed, the word is of the new generation with its chunk field full, which no
-    swap of an older word matches and no job's ``CHUNKS`` exceeds."""
+    Closed, the word is of the new generation with the caller's count full: no swap
+    of an older word matches it, and it leaves no chunk of any job."""
     generation = block[GENERATION] + 1
     block[GENERATION] = generation
     atomic_store(block, CLAIM, (generation << GENERATION_SHIFT) | CHUNK_MASK)
@@ -342,18 +352,32 @@ def wake(block):
 
 @cached_njit(inline="always")
 def claim_own(block):
-    """The caller's next chunk (it may exceed the job's chunks: then none is left)."""
-    return fetch_add(block, CLAIM, 1) & CHUNK_MASK
+    """The caller's next chunk from the front, or ``CHUNK_MASK`` (more than any job's
+    chunks) when none is left."""
+    word = fetch_add(block, CLAIM, 1)
+    chunk = word & CHUNK_MASK
+    if unclaimed(word, block[CHUNKS]):
+        return chunk
+    return CHUNK_MASK
+
+
+@cached_njit(inline="always")
+def unclaimed(word, n_chunks):
+    """Whether the ``CLAIM`` word leaves a chunk of a job of ``n_chunks`` untaken: the
+    caller's next chunk lies before the helper's."""
+    return (word & CHUNK_MASK) + ((word >> TAKEN_SHIFT) & CHUNK_MASK) < n_chunks
 
 
 @cached_njit(inline="always")
 def try_claim(block, word):
-    """The helper's claim of the chunk named by ``word``, the ``CLAIM`` word it read:
-    that chunk if it is one of the job's and ``CLAIM`` still holds ``word`` (swapped
-    for the next chunk), else -1."""
-    chunk = word & CHUNK_MASK
-    if chunk < atomic_load(block, CHUNKS) and compare_exchange(block, CLAIM, word, word + 1):
-        return chunk
+    """The helper's claim of the last chunk not taken according to ``word``, the
+    ``CLAIM`` word it read: that chunk if ``word`` leaves one and ``CLAIM`` still holds
+    it (swapped for one more taken by the helper), else -1."""
+    n_chunks = atomic_load(block, CHUNKS)
+    if unclaimed(word, n_chunks) and compare_exchange(
+        block, CLAIM, word, word + (1 << TAKEN_SHIFT)
+    ):
+        return n_chunks - 1 - ((word >> TAKEN_SHIFT) & CHUNK_MASK)
     return -1
 
 
@@ -514,7 +538,7 @@ def serve(block, yield_address, sleep_address):
             # SLEEPING is still 1).
             atomic_store(block, SLEEPING, 1)
             word = atomic_load(block, CLAIM)
-            if (word & CHUNK_MASK) < atomic_load(block, CHUNKS) or atomic_load(block, STOP):
+            if unclaimed(word, atomic_load(block, CHUNKS)) or atomic_load(block, STOP):
                 atomic_store(block, SLEEPING, 0)
                 continue
             address = block.ctypes.data
