@@ -322,9 +322,17 @@ def test_time_calls_runs_between_before_each_sample_untimed():
     assert events == ["call"] * 3 + (["between"] + ["call"] * number) * 3
 
 
-def test_the_in_place_row_starts_each_sample_from_the_input():
+def test_the_in_place_row_starts_each_sample_from_the_input(monkeypatch):
     # Rotated again and again, a bfloat16 tensor drifts (its cos and sin are rounded);
-    # reset copies the input back between samples, bit for bit.
+    # reset copies the input back between samples, bit for bit, on the calling thread
+    # (numba's parallel copy would leave its worker threads spinning on the core the
+    # helper thread needs for the calls timed next).
+    from numba_rope.bench import targets
+
+    def parallel_copy(source, destination):
+        raise AssertionError("a reset must not wake numba's worker threads")
+
+    monkeypatch.setattr(targets, "parallel_copy", parallel_copy)
     case = bench.make_case("seed", "bfloat16")
     in_place = next(i for i in bench.implementations("cpu", 1) if i.name.endswith("(in place)"))
     prepared = in_place.prepare(case, bench.CpuTarget(), 1)
@@ -337,7 +345,7 @@ def test_the_in_place_row_starts_each_sample_from_the_input():
 
 
 def test_the_in_place_row_resets_on_the_gpu_target():
-    # The same reset through CudaTarget.copy (device to device), under the simulator
+    # The same reset through CudaTarget.restore (device to device), under the simulator
     # where there is no GPU: the target refuses the simulator only for timing.
     import numba
     from numba import cuda

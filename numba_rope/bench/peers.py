@@ -220,7 +220,7 @@ def _numba_rope_in_place(case: Case, tgt: Any, threads: int) -> Prepared:
         tgt.synchronize()
 
     def reset():
-        tgt.copy(source, x)
+        tgt.restore(source, x)
         tgt.synchronize()
 
     _first_call(call, tgt)
