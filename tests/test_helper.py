@@ -263,9 +263,9 @@ def test_a_claim_word_of_the_last_job_claims_nothing_of_the_next():
     # chunk more taken. A word read during the last job (no chunk left of it) must
     # claim nothing of the next job once that job's CHUNKS are larger: publishing
     # closes the old word (new generation, caller's count full) before it writes
-    # CHUNKS, then opens it with no chunk taken. When CHUNKS changed first, a helper between the two
-    # ran a chunk of the new job that the job handed out again (rotated twice in
-    # place) and counted it as finished.
+    # CHUNKS, then opens it with no chunk taken. When CHUNKS changed first, a helper
+    # between the two ran a chunk of the new job that the job handed out again
+    # (rotated twice in place) and counted it as finished.
     block = np.zeros(relay.BLOCK_SLOTS, np.int64)
     prepared, opened, fresh, caller = _claims_across_a_new_job(block)
     assert prepared == (-1, -1)  # neither the stale word nor the closed one
