@@ -354,7 +354,9 @@ def _float16_integer_piece(builder, value):
 def bfloat16_pair_vector_code(builder, low, high, instructions):
     """:func:`bfloat16_pair_code` of two float32 vectors of 8 or 16 lanes; with
     ``instructions`` (see :func:`has_bfloat16_instructions`), one ``vcvtne2ps2bf16``
-    and a permutation for vectors without NaN or subnormal lanes, the same bits."""
+    and a permutation for vectors without NaN or subnormal lanes, the same bits;
+    without, the integer code with its NaN handling out of line
+    (:func:`_bfloat16_pair_integer_vector_code`)."""
     lanes = low.type.count
     if not instructions or lanes not in (8, 16):
         return _bfloat16_pair_integer_vector_code(builder, low, high)

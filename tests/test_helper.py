@@ -248,8 +248,8 @@ def _claims_across_a_new_job(block):
     relay.publish(block, 0, 2)
     for _ in range(3):  # the caller takes the last job's chunks, and one past its end
         relay.claim_own(block)
-    stale = relay.atomic_load(block, relay.CLAIM)  # chunk 3, of the last job
-    relay.prepare(block, 0, 8)  # the new job's CHUNKS (8) exceed the stale chunk
+    stale = relay.atomic_load(block, relay.CLAIM)  # the caller's count at 3, of the last job
+    relay.prepare(block, 0, 8)  # with the new job's CHUNKS (8) the stale word leaves chunks
     closed = relay.atomic_load(block, relay.CLAIM)
     prepared = (relay.try_claim(block, stale), relay.try_claim(block, closed))
     relay.open_claims(block)
