@@ -196,15 +196,35 @@ def bfloat16_high_code(builder, words):
     return builder.bitcast(masked, _shaped(words, ir.FloatType()))
 
 
-def bfloat16_pair_code(builder, low, high, nan_free=False):
+def bfloat16_pair_code(builder, low, high, nan_free=False, high_half=None):
     """32-bit storage words of two float32 arithmetic results (scalars or vectors),
     each rounded once to nearest even (see :func:`narrow_like`): ``low`` first.
-    ``nan_free``: see :func:`_bfloat16_rounded_bits`."""
+    ``nan_free``: see :func:`_bfloat16_rounded_bits`. ``high_half``: the mask of the
+    words' upper halves, from :func:`high_half_mask` (default: a constant)."""
     first = builder.lshr(_bfloat16_rounded_bits(builder, low, nan_free), _constant(low, 16))
-    second = builder.and_(
-        _bfloat16_rounded_bits(builder, high, nan_free), _constant(high, _HIGH_HALF)
-    )
+    mask = _constant(high, _HIGH_HALF) if high_half is None else high_half
+    second = builder.and_(_bfloat16_rounded_bits(builder, high, nan_free), mask)
     return builder.or_(first, second)
+
+
+def high_half_mask(builder, lanes, opaque):
+    """The mask of the upper halves of ``lanes`` 32-bit words, for
+    :func:`bfloat16_pair_code`: a constant, or with ``opaque`` (AVX-512 targets, see
+    :func:`has_avx512`) the constant passed once through an empty inline assembly
+    statement at the top of the function, which LLVM cannot see through. With a
+    constant mask LLVM folds the shift, mask and merge of two rounded vectors into one
+    word permutation (``vpermt2w``), three micro-ops on Intel's AVX-512 cores; with
+    the opaque one it keeps them a shift and one ``vpternlogd`` (the same bits). On
+    the Emerald Rapids VM without AVX512_BF16, the bfloat16 kernel alone took
+    0.95-0.96x the time (one core, a (1, 8, 64, 128) input in the L1 cache, three
+    process pairs; docs/performance.md, "Seventeenth session"). Without AVX-512 the
+    constant is better: LLVM merges with one ``vpblendw``."""
+    mask = ir.Constant(ir.VectorType(_I32, lanes), _HIGH_HALF)
+    if not opaque:
+        return mask
+    barrier = ir.InlineAsm(ir.FunctionType(mask.type, [mask.type]), "", "=v,0")
+    with builder.goto_entry_block():
+        return builder.call(barrier, [mask])
 
 
 def _usual_unless_any(builder, flags, usual, rare):
@@ -227,7 +247,7 @@ def _usual_unless_any(builder, flags, usual, rare):
     return value
 
 
-def _bfloat16_pair_integer_vector_code(builder, low, high):
+def _bfloat16_pair_integer_vector_code(builder, low, high, high_half):
     """:func:`bfloat16_pair_code` of two float32 vectors, the NaN code only for the
     rare pair of vectors with a NaN lane: one unordered compare of ``low`` with
     ``high`` (true in a lane where either is a NaN) and one test of its mask, where
@@ -235,8 +255,8 @@ def _bfloat16_pair_integer_vector_code(builder, low, high):
     return _usual_unless_any(
         builder,
         builder.fcmp_unordered("uno", low, high),
-        lambda: bfloat16_pair_code(builder, low, high, nan_free=True),
-        lambda: bfloat16_pair_code(builder, low, high),
+        lambda: bfloat16_pair_code(builder, low, high, nan_free=True, high_half=high_half),
+        lambda: bfloat16_pair_code(builder, low, high, high_half=high_half),
     )
 
 
@@ -296,6 +316,24 @@ def has_bfloat16_instructions(context) -> bool:
     return _target_has(context, ("+avx512bf16", "+avx512dq", "+avx512vl"), _BF16_CPUS)
 
 
+#: LLVM CPU names that have AVX512F and AVX512VL (see :data:`_BF16_CPUS`).
+_AVX512_CPUS = _BF16_CPUS | {
+    "skylake-avx512",
+    "cascadelake",
+    "cannonlake",
+    "icelake-client",
+    "icelake-server",
+    "tigerlake",
+    "rocketlake",
+}
+
+
+def has_avx512(context) -> bool:
+    """Whether the CPU target of ``context`` has AVX512F and AVX512VL (see
+    :func:`high_half_mask`)."""
+    return _target_has(context, ("+avx512f", "+avx512vl"), _AVX512_CPUS)
+
+
 #: LLVM CPU names that have AVX512-FP16.
 _FP16_CPUS = frozenset(
     {"sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d", "diamondrapids"}
@@ -351,15 +389,16 @@ def _float16_integer_piece(builder, value):
     return builder.call(convert, [value, current_rounding])
 
 
-def bfloat16_pair_vector_code(builder, low, high, instructions):
+def bfloat16_pair_vector_code(builder, low, high, instructions, high_half=None):
     """:func:`bfloat16_pair_code` of two float32 vectors of 8 or 16 lanes; with
     ``instructions`` (see :func:`has_bfloat16_instructions`), one ``vcvtne2ps2bf16``
     and a permutation for vectors without NaN or subnormal lanes, the same bits;
     without, the integer code with its NaN handling out of line
-    (:func:`_bfloat16_pair_integer_vector_code`)."""
+    (:func:`_bfloat16_pair_integer_vector_code`), its words merged with ``high_half``
+    (see :func:`high_half_mask`)."""
     lanes = low.type.count
     if not instructions or lanes not in (8, 16):
-        return _bfloat16_pair_integer_vector_code(builder, low, high)
+        return _bfloat16_pair_integer_vector_code(builder, low, high, high_half)
     module = builder.module
     flags = ir.VectorType(ir.IntType(1), lanes)
     classify = module.declare_intrinsic(
@@ -381,7 +420,10 @@ def bfloat16_pair_vector_code(builder, low, high, instructions):
         return builder.bitcast(pairs, ir.VectorType(_I32, lanes))
 
     return _usual_unless_any(
-        builder, special, converted, lambda: bfloat16_pair_code(builder, low, high)
+        builder,
+        special,
+        converted,
+        lambda: bfloat16_pair_code(builder, low, high, high_half=high_half),
     )
 
 

@@ -23,7 +23,9 @@ from numba_rope._conversions import (
     bfloat16_pair,
     bfloat16_pair_vector_code,
     float16_integer_code,
+    has_avx512,
     has_bfloat16_instructions,
+    high_half_mask,
     narrow_like,
     widen,
 )
@@ -203,7 +205,9 @@ def _vector_joiner(lanes, instructions):
 
             first = builder.load(pointer(0, vector), align=4)
             second = builder.load(pointer(1, vector), align=4)
-            joined = bfloat16_pair_vector_code(builder, first, second, instructions)
+            # The kernels' mask of the upper halves for this target (high_half_mask).
+            high_half = high_half_mask(builder, lanes, has_avx512(context))
+            joined = bfloat16_pair_vector_code(builder, first, second, instructions, high_half)
             builder.store(joined, pointer(2, word_vector), align=4)
             return context.get_dummy_value()
 
@@ -323,30 +327,46 @@ def test_float16_integer_conversion_rounds_like_numpy(rng, lanes):
     assert np.array_equal(np.isnan(got.view(np.float16)), np.isnan(values))
 
 
+class _Codegen:
+    def __init__(self, features, name):
+        self._tm_features, self._name = features, name
+
+    def _get_host_cpu_name(self):
+        return self._name
+
+
+class _Context:
+    """A stand-in for numba's target context: the features numba compiles for
+    (``NUMBA_CPU_FEATURES`` or the host's), else a CPU ``name`` alone."""
+
+    def __init__(self, features, name=""):
+        self._codegen = _Codegen(features, name)
+
+    def codegen(self):
+        return self._codegen
+
+
 def test_bfloat16_instructions_follow_the_target():
     # Named by its features (the host, or NUMBA_CPU_FEATURES), else by its CPU name.
-    class Codegen:
-        def __init__(self, features, name):
-            self._tm_features, self._name = features, name
+    assert has_bfloat16_instructions(_Context("+avx512f,+avx512bf16,+avx512dq,+avx512vl"))
+    assert not has_bfloat16_instructions(_Context("+avx512f,-avx512bf16,+avx512dq,+avx512vl"))
+    assert not has_bfloat16_instructions(_Context("+avx512f,+avx512bf16,-avx512dq,+avx512vl"))
+    assert not has_bfloat16_instructions(_Context("+avx2,+f16c", "znver4"))
+    assert has_bfloat16_instructions(_Context("", "znver4"))
+    assert has_bfloat16_instructions(_Context("", "sapphirerapids"))
+    assert not has_bfloat16_instructions(_Context("", "skylake-avx512"))
+    assert not has_bfloat16_instructions(_Context("", "haswell"))
 
-        def _get_host_cpu_name(self):
-            return self._name
 
-    class Context:
-        def __init__(self, features, name=""):
-            self._codegen = Codegen(features, name)
-
-        def codegen(self):
-            return self._codegen
-
-    assert has_bfloat16_instructions(Context("+avx512f,+avx512bf16,+avx512dq,+avx512vl"))
-    assert not has_bfloat16_instructions(Context("+avx512f,-avx512bf16,+avx512dq,+avx512vl"))
-    assert not has_bfloat16_instructions(Context("+avx512f,+avx512bf16,-avx512dq,+avx512vl"))
-    assert not has_bfloat16_instructions(Context("+avx2,+f16c", "znver4"))
-    assert has_bfloat16_instructions(Context("", "znver4"))
-    assert has_bfloat16_instructions(Context("", "sapphirerapids"))
-    assert not has_bfloat16_instructions(Context("", "skylake-avx512"))
-    assert not has_bfloat16_instructions(Context("", "haswell"))
+def test_avx512_follows_the_target():
+    # As test_bfloat16_instructions_follow_the_target: AVX512F and AVX512VL.
+    assert has_avx512(_Context("+avx512f,+avx512vl,+avx512bw"))
+    assert not has_avx512(_Context("+avx512f,-avx512vl"))
+    assert not has_avx512(_Context("+avx2,+f16c", "skylake-avx512"))
+    for name in ("skylake-avx512", "icelake-server", "znver4", "sapphirerapids"):
+        assert has_avx512(_Context("", name)), name
+    assert not has_avx512(_Context("", "haswell"))
+    assert not has_avx512(_Context("", "znver3"))
 
 
 def test_float_storage_passes_through():

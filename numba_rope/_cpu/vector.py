@@ -31,8 +31,10 @@ from numba_rope._conversions import (
     bfloat16_low_code,
     bfloat16_pair_vector_code,
     float16_integer_code,
+    has_avx512,
     has_bfloat16_instructions,
     has_float16_arithmetic,
+    high_half_mask,
     narrow_code,
     widen_code,
 )
@@ -99,6 +101,8 @@ class _Stream:
         self.intp = context.get_value_type(types.intp)
         self.nontemporal = builder.module.add_metadata([ir.Constant(_LANE, 1)])
         self.float16_arithmetic = has_float16_arithmetic(context)
+        self.avx512 = has_avx512(context)
+        self.high_halves = {}
 
     def pointer(self, array, index, lanes, element=None):
         element = array.data.type.pointee if element is None else element
@@ -167,6 +171,17 @@ class _Stream:
             self.nontemporal_store(words, pointer)
         else:
             self.builder.store(words, pointer).align = 2
+
+    def pair_words(self, low, high, instructions):
+        """:func:`bfloat16_pair_vector_code` of two vectors, with the mask of the words'
+        upper halves this target merges best with (:func:`high_half_mask`), made
+        once per width and function."""
+        lanes = low.type.count
+        if lanes not in self.high_halves:
+            self.high_halves[lanes] = high_half_mask(self.builder, lanes, self.avx512)
+        return bfloat16_pair_vector_code(
+            self.builder, low, high, instructions, self.high_halves[lanes]
+        )
 
     def splat(self, value, lanes):
         vector = ir.Constant(ir.VectorType(value.type, lanes), ir.Undefined)
@@ -410,9 +425,9 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
             y1_high, y2_high = stream.rotate(
                 *(bfloat16_high_code(builder, w) for w in (a, b, c, s)), sign
             )
-            y1 = bfloat16_pair_vector_code(builder, y1_low, y1_high, instructions)
+            y1 = stream.pair_words(y1_low, y1_high, instructions)
             stream.store_words(y1, out, first, lanes, nontemporal)
-            y2 = bfloat16_pair_vector_code(builder, y2_low, y2_high, instructions)
+            y2 = stream.pair_words(y2_low, y2_high, instructions)
             stream.store_words(y2, out, second, lanes, nontemporal)
 
         return stream.steps(ir.Constant(stream.intp, 0), half, step, scale=2)
@@ -443,7 +458,7 @@ def _word_interleaved_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row
                 stream.load(sin, pair, cache_type, lanes),
                 sign,
             )
-            merged = bfloat16_pair_vector_code(builder, y1, y2, instructions)
+            merged = stream.pair_words(y1, y2, instructions)
             stream.store_words(merged, out, element, lanes, nontemporal)
 
         return stream.steps(ir.Constant(stream.intp, 0), half, step)
