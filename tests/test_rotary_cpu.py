@@ -325,30 +325,40 @@ def test_token_major_order_gives_the_contract_bits(rng, monkeypatch, form, run):
 #: Token by token (decode, bshd) and head by head (bhsd), each on the calling thread,
 #: shared with the helper and in parallel; bshd (several tokens a unit) on the calling
 #: thread only: its units split as decode's do (test_token_major_order_gives_the_
-#: contract_bits runs bshd shared and in parallel). Each case compiles 10-20 s on CI.
-_FLOAT16_CACHE_RUNS = [
-    (form, run) for form in ("decode", "bhsd") for run in ("serial", "helper", "parallel")
-] + [("bshd", "serial")]
+#: contract_bits runs bshd shared and in parallel). bfloat16 token by token only (its
+#: head-by-head rows take no scratch), each case compiles 10-20 s on CI.
+_CACHE_16_BIT_RUNS = [
+    ("float16", form, run)
+    for form in ("decode", "bhsd")
+    for run in ("serial", "helper", "parallel")
+] + [
+    ("float16", "bshd", "serial"),
+    ("bfloat16", "decode", "serial"),
+    ("bfloat16", "decode", "helper"),
+    ("bfloat16", "bshd", "serial"),
+]
 
 
 @pytest.mark.parametrize(
-    ("form", "run"), _FLOAT16_CACHE_RUNS, ids=[f"{f}-{r}" for f, r in _FLOAT16_CACHE_RUNS]
+    ("dtype", "form", "run"),
+    _CACHE_16_BIT_RUNS,
+    ids=["-".join(case) for case in _CACHE_16_BIT_RUNS],
 )
-def test_float16_caches_give_the_contract_bits(rng, monkeypatch, form, run):
-    # Token by token (decode, bshd), float16 cache rows are widened to float32 once
-    # for all the token's heads (exact) and the heads rotate by the widened rows;
+def test_16_bit_caches_give_the_contract_bits(rng, monkeypatch, dtype, form, run):
+    # Token by token (decode, bshd), float16 and bfloat16 cache rows are widened to
+    # float32 once for all the token's heads (exact; for bfloat16's non-interleaved
+    # word loop in the order it reads them) and the heads rotate by the widened rows;
     # head by head (bhsd) each head's vector steps convert them. The contract's bits
-    # either way, for every vector step width (24 pairs: a step of 16 and one of 8;
-    # 60: and 4 left to the element loop), partial rotation, the inverse, in place,
-    # and q with k of fewer heads.
+    # either way, for every vector step width (float16, 24 pairs: a step of 16 and
+    # one of 8; 60: and 4 left to the element loop; bfloat16 words, 60 pairs: a step
+    # of 32, one of 16 and 12 left), partial rotation, the inverse, in place, and q
+    # with k of fewer heads.
     _run_on(monkeypatch, run)
+    dtype = BFLOAT16 if dtype == "bfloat16" else np.dtype(np.float16)
     seq_len = 1 if form == "decode" else 7
     for head_size, rotary_dim in ((48, 0), (128, 120), (130, 48)):
-        x, cos, sin, ids = make_case(
-            rng, (3, 6, seq_len, head_size), np.float16, rotary_dim=rotary_dim
-        )
-        assert cos.dtype == np.float16
-        k = rng.standard_normal((3, 2, seq_len, head_size)).astype(np.float16)
+        x, cos, sin, ids = make_case(rng, (3, 6, seq_len, head_size), dtype, rotary_dim=rotary_dim)
+        k = rng.standard_normal((3, 2, seq_len, head_size)).astype(dtype)
         layout = "bshd" if form == "bshd" else "bhsd"
 
         def given(a):

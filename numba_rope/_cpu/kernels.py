@@ -22,12 +22,14 @@ from numba.extending import overload
 from numba_rope._conversions import narrow_like, widen
 from numba_rope._cpu import relay
 from numba_rope._cpu.vector import (
+    BFLOAT16_TYPE,
     prefetch_span,
     row,
     store_fence,
     stream_copy,
     vector_pairs,
     widen_span,
+    widen_word_halves,
 )
 from numba_rope._geometry import (
     byte_span_jit,
@@ -228,9 +230,11 @@ def _cache_scratch(cache, half):  # pragma: no cover - see overload
 
 @overload(_cache_scratch, inline="always")
 def _cache_scratch_overload(cache, half):
-    # float16 storage only: F16C's conversions bound the float16 row loops (six per
-    # vector step, two of them the cache's), where bfloat16's widening is a shift.
-    if cache.dtype == types.uint16:
+    # The 16-bit storage types: F16C's conversions bound the float16 row loops (six
+    # per vector step, two of them the cache's); bfloat16's word loops are bound by
+    # their arithmetic, of which widening the cache words is a tenth (four of about
+    # forty-four instructions a step).
+    if cache.dtype in (types.uint16, BFLOAT16_TYPE):
         return lambda cache, half: np.empty((2, half), np.float32)
     return lambda cache, half: None
 
@@ -241,24 +245,31 @@ def _no_scratch(cache, half):
     return None
 
 
-def _token_cache_rows(cos_row, sin_row, scratch):  # pragma: no cover - see overload
+def _token_cache_rows(cos_row, sin_row, scratch, interleaved, words):  # pragma: no cover
     """The cache rows a token's heads rotate by: ``cos_row`` and ``sin_row`` as they
-    are, or widened into ``scratch`` (see :func:`_cache_scratch`). Widening is exact,
-    so the bits are those of the rows themselves."""
+    are, or widened into ``scratch`` (see :func:`_cache_scratch`): in the order the
+    non-interleaved bfloat16 word loop reads them (:func:`widen_word_halves`) for
+    those, else in their own order, and past the vector steps in their own order.
+    Widening is exact, so the bits are those of the rows themselves."""
     raise NotImplementedError
 
 
 @overload(_token_cache_rows, inline="always")
-def _token_cache_rows_overload(cos_row, sin_row, scratch):
+def _token_cache_rows_overload(cos_row, sin_row, scratch, interleaved, words):
     if isinstance(scratch, types.NoneType):
-        return lambda cos_row, sin_row, scratch: (cos_row, sin_row)
+        return lambda cos_row, sin_row, scratch, interleaved, words: (cos_row, sin_row)
+    flags = (interleaved, words)
+    if not all(isinstance(flag, types.BooleanLiteral) for flag in flags):
+        return None  # numba asks again with the constants as literals
+    halves = words.literal_value and not interleaved.literal_value
+    widen_row = widen_word_halves if halves else widen_span
 
-    def impl(cos_row, sin_row, scratch):
+    def impl(cos_row, sin_row, scratch, interleaved, words):
         half = cos_row.shape[0]
         cos_wide = row(scratch, 0, half)
         sin_wide = row(scratch, 4 * half, half)
-        first = widen_span(cos_row, cos_wide, half)
-        widen_span(sin_row, sin_wide, half)
+        first = widen_row(cos_row, cos_wide, half)
+        widen_row(sin_row, sin_wide, half)
         for pair in range(first, half):
             i = np.uint64(pair)
             cos_wide[i] = widen(cos_row[i])
@@ -309,6 +320,8 @@ def _token_units(
                 row(cos, _cache_row_offset(cos, positions, b, s), half),
                 row(sin, _cache_row_offset(sin, positions, b, s), half),
                 scratch,
+                interleaved,
+                words,
             )
             for h in range(h0, h1):
                 x_offset = b * x.strides[0] + h * x.strides[1] + s * x.strides[2]

@@ -243,8 +243,15 @@ def _stream_typing(x_row, cos_row, sin_row, out_row):
 
 
 def _word_typing(x_row, cos_row, sin_row, out_row):
+    """Rows of bfloat16; cache rows of bfloat16 too, or of float32 widened by
+    :func:`widen_span` (interleaved) or :func:`widen_word_halves` (non-interleaved)."""
     rows = (x_row, cos_row, sin_row, out_row)
-    return all(isinstance(row, types.Array) and row.dtype == BFLOAT16_TYPE for row in rows)
+    return (
+        all(isinstance(row, types.Array) for row in rows)
+        and x_row.dtype == out_row.dtype == BFLOAT16_TYPE
+        and cos_row.dtype == sin_row.dtype
+        and cos_row.dtype in (BFLOAT16_TYPE, types.float32)
+    )
 
 
 def _stream_arguments(context, builder, signature, args):
@@ -411,19 +418,35 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
         return None
 
     def codegen(context, builder, signature, args):
-        (x, cos, sin, out), _, _, half, sign = _stream_arguments(context, builder, signature, args)
+        (x, cos, sin, out), _, cache_type, half, sign = _stream_arguments(
+            context, builder, signature, args
+        )
         stream = _Stream(context, builder)
         instructions = has_bfloat16_instructions(context)
+
+        def cache_halves(first, lanes):
+            """(cos, sin) of the step's low elements, then of its high ones."""
+            if cache_type == types.float32:  # widened: see widen_word_halves
+                high = builder.add(first, ir.Constant(stream.intp, lanes))
+                return [
+                    [stream.load(row, index, cache_type, lanes) for row in (cos, sin)]
+                    for index in (first, high)
+                ]
+            c, s = stream.load_words(cos, first, lanes), stream.load_words(sin, first, lanes)
+            return [
+                [half_code(builder, w) for w in (c, s)]
+                for half_code in (bfloat16_low_code, bfloat16_high_code)
+            ]
 
         def step(first, lanes):  # lanes words, 2 * lanes pairs
             second = builder.add(first, half)
             a, b = stream.load_words(x, first, lanes), stream.load_words(x, second, lanes)
-            c, s = stream.load_words(cos, first, lanes), stream.load_words(sin, first, lanes)
+            (c_low, s_low), (c_high, s_high) = cache_halves(first, lanes)
             y1_low, y2_low = stream.rotate(
-                *(bfloat16_low_code(builder, w) for w in (a, b, c, s)), sign
+                bfloat16_low_code(builder, a), bfloat16_low_code(builder, b), c_low, s_low, sign
             )
             y1_high, y2_high = stream.rotate(
-                *(bfloat16_high_code(builder, w) for w in (a, b, c, s)), sign
+                bfloat16_high_code(builder, a), bfloat16_high_code(builder, b), c_high, s_high, sign
             )
             y1 = stream.pair_words(y1_low, y1_high, instructions)
             stream.store_words(y1, out, first, lanes, nontemporal)
@@ -523,20 +546,15 @@ def vector_pairs(
     return types.intp(*rows, interleaved, words, streaming), codegen
 
 
-@intrinsic
-def widen_span(typingctx, source, wide, length):
-    """Widen elements ``[0, n)`` of a contiguous row of float16 storage (uint16) into
-    the float32 row ``wide`` and return ``n``, ``length`` rounded down to a multiple of
-    8: steps of :data:`VECTOR_WIDTHS` elements (F16C's packed conversion). LLVM's loop
-    vectorizer left the element loop scalar (one ``vpinsrw`` and one scalar conversion
-    per element; a float16 decode step's kernel alone took 0.96-0.98x the time with
-    this, one-process A/B on the Zen 4 VM). Widening is exact: the bits of
-    :func:`~numba_rope._conversions.widen`."""
+def _widening(source, wide, length, sources, halves):
+    """Typing and code of :func:`widen_span` (``halves`` False) and
+    :func:`widen_word_halves` (True): contiguous rows, ``source`` of a storage type in
+    ``sources``, ``wide`` of float32."""
     rows = (source, wide)
     if not (
         all(isinstance(r, types.Array) and r.layout == "C" for r in rows)
-        and source.dtype == types.uint16  # bfloat16 rows (int16) are widened by shifts,
-        and wide.dtype == types.float32  # which LLVM vectorizes: no kernel needs them here
+        and source.dtype in sources
+        and wide.dtype == types.float32
     ):
         return None
 
@@ -547,14 +565,49 @@ def widen_span(typingctx, source, wide, length):
         stream = _Stream(context, builder)
         source_type = signature.args[0].dtype
 
-        def step(index, lanes):
-            widened = stream.load(source_row, index, source_type, lanes)
-            pointer = stream.pointer(wide_row, index, lanes)
-            builder.store(widened, pointer).align = 4
+        def store(value, index, lanes):
+            builder.store(value, stream.pointer(wide_row, index, lanes)).align = 4
 
+        def step(index, lanes):
+            store(stream.load(source_row, index, source_type, lanes), index, lanes)
+
+        def halves_step(first, lanes):  # the steps of _word_pairs_typing
+            words = stream.load_words(source_row, first, lanes)
+            store(bfloat16_low_code(builder, words), first, lanes)
+            high = builder.add(first, ir.Constant(stream.intp, lanes))
+            store(bfloat16_high_code(builder, words), high, lanes)
+
+        if halves:
+            return stream.steps(ir.Constant(stream.intp, 0), length, halves_step, scale=2)
         return stream.steps(ir.Constant(stream.intp, 0), length, step)
 
     return types.intp(source, wide, length), codegen
+
+
+@intrinsic
+def widen_span(typingctx, source, wide, length):
+    """Widen elements ``[0, n)`` of a contiguous row of float16 or bfloat16 storage
+    (uint16, int16) into the float32 row ``wide`` and return ``n``, ``length`` rounded
+    down to a multiple of 8: steps of :data:`VECTOR_WIDTHS` elements (F16C's packed
+    conversion for float16; the interleaved bfloat16 word loop's cache rows). LLVM's
+    loop vectorizer left the element loop scalar (one ``vpinsrw`` and one scalar
+    conversion per element; a float16 decode step's kernel alone took 0.96-0.98x the
+    time with this, one-process A/B on the Zen 4 VM). Widening is exact: the bits of
+    :func:`~numba_rope._conversions.widen`."""
+    return _widening(source, wide, length, (types.uint16, BFLOAT16_TYPE), halves=False)
+
+
+@intrinsic
+def widen_word_halves(typingctx, source, wide, length):
+    """Widen the first ``n`` elements of a contiguous bfloat16 cache row (``n`` =
+    ``length`` rounded down to a multiple of 16) into the float32 row ``wide`` in the
+    order in which :func:`_word_pairs_typing` uses them, and return ``n``: for each of
+    its steps (``lanes`` words from element ``first``), the low elements of the words
+    at ``wide[first:first + lanes]``, the high ones after them. The word loop then
+    loads its cache vectors, where it widened them (two shifts and two masks a step)
+    for every head. Widening is exact: the bits of
+    :func:`~numba_rope._conversions.widen`."""
+    return _widening(source, wide, length, (BFLOAT16_TYPE,), halves=True)
 
 
 @intrinsic
