@@ -27,6 +27,8 @@ bit for bit: bfloat16 NaNs become the canonical quiet NaN of their sign, as
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -74,14 +76,15 @@ def _bfloat16_to_float32(builder, bits):
     return builder.bitcast(builder.shl(wide, _constant(bits, 16)), _shaped(bits, ir.FloatType()))
 
 
-def _bfloat16_rounded_bits(builder, value, nan_free=False):
+def _bfloat16_rounded_bits(builder, value, nan_free=False, constants=None):
     """The bits of float32 ``value`` rounded to bfloat16 in their upper 16 bits (the
     lower 16 are garbage). ``value`` must be the result of arithmetic, so that a NaN
     is a quiet one (IEEE 754 arithmetic never returns a signaling NaN). With
-    ``nan_free`` the caller knows that no lane is a NaN, and the NaN code is left out."""
+    ``nan_free`` the caller knows that no lane is a NaN, and the NaN code is left out.
+    ``constants``: see :func:`pair_constants`."""
     bits = builder.bitcast(value, _shaped(value, _I32))
     if nan_free:
-        return _rounded_to_nearest_even(builder, value, bits)
+        return _rounded_to_nearest_even(builder, value, bits, constants)
     # A quiet NaN becomes the canonical quiet NaN of its sign before rounding (rounding
     # a NaN's bits could carry into the sign). Quiet NaNs are the largest patterns of
     # each sign: as signed integers the positive ones lie above 0x7FC00000, as unsigned
@@ -92,13 +95,20 @@ def _bfloat16_rounded_bits(builder, value, nan_free=False):
     negative_nan = _constant(value, 0xFFC00000)
     bits = builder.select(builder.icmp_signed(">", bits, positive_nan), positive_nan, bits)
     bits = builder.select(builder.icmp_unsigned(">", bits, negative_nan), negative_nan, bits)
-    return _rounded_to_nearest_even(builder, value, bits)
+    return _rounded_to_nearest_even(builder, value, bits, constants)
 
 
-def _rounded_to_nearest_even(builder, value, bits):
-    # Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit.
-    lowest_kept = builder.and_(builder.lshr(bits, _constant(value, 16)), _constant(value, 1))
-    return builder.add(bits, builder.add(_constant(value, 0x7FFF), lowest_kept))
+def _rounded_to_nearest_even(builder, value, bits, constants=None):
+    # Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit (bit 16).
+    if constants is None:
+        lowest_kept = builder.and_(builder.lshr(bits, _constant(value, 16)), _constant(value, 1))
+        return builder.add(bits, builder.add(_constant(value, 0x7FFF), lowest_kept))
+    # 0x8000 where the lowest kept bit is set, else 0x7FFF: one bit test into a mask
+    # register and a blend (see pair_constants).
+    odd = builder.icmp_unsigned(
+        "!=", builder.and_(bits, _constant(value, 0x10000)), _constant(value, 0)
+    )
+    return builder.add(bits, builder.select(odd, _constant(value, 0x8000), constants.bias))
 
 
 def _float32_to_bfloat16(builder, value):
@@ -196,35 +206,56 @@ def bfloat16_high_code(builder, words):
     return builder.bitcast(masked, _shaped(words, ir.FloatType()))
 
 
-def bfloat16_pair_code(builder, low, high, nan_free=False, high_half=None):
+def bfloat16_pair_code(builder, low, high, nan_free=False, constants=None):
     """32-bit storage words of two float32 arithmetic results (scalars or vectors),
     each rounded once to nearest even (see :func:`narrow_like`): ``low`` first.
-    ``nan_free``: see :func:`_bfloat16_rounded_bits`. ``high_half``: the mask of the
-    words' upper halves, from :func:`high_half_mask` (default: a constant)."""
-    first = builder.lshr(_bfloat16_rounded_bits(builder, low, nan_free), _constant(low, 16))
-    mask = _constant(high, _HIGH_HALF) if high_half is None else high_half
-    second = builder.and_(_bfloat16_rounded_bits(builder, high, nan_free), mask)
+    ``nan_free``: see :func:`_bfloat16_rounded_bits`. ``constants``: the vector
+    constants of :func:`pair_constants` (default: LLVM constants)."""
+    first = builder.lshr(
+        _bfloat16_rounded_bits(builder, low, nan_free, constants), _constant(low, 16)
+    )
+    mask = _constant(high, _HIGH_HALF) if constants is None else constants.high_half
+    second = builder.and_(_bfloat16_rounded_bits(builder, high, nan_free, constants), mask)
     return builder.or_(first, second)
 
 
-def high_half_mask(builder, lanes, opaque):
-    """The mask of the upper halves of ``lanes`` 32-bit words, for
-    :func:`bfloat16_pair_code`: a constant, or with ``opaque`` (AVX-512 targets, see
-    :func:`has_avx512`) the constant passed once through an empty inline assembly
-    statement at the top of the function, which LLVM cannot see through. With a
-    constant mask LLVM folds the shift, mask and merge of two rounded vectors into one
-    word permutation (``vpermt2w``), three micro-ops on Intel's AVX-512 cores; with
-    the opaque one it keeps them a shift and one ``vpternlogd`` (the same bits). On
-    the Emerald Rapids VM without AVX512_BF16, the bfloat16 kernel alone took
-    0.95-0.96x the time (one core, a (1, 8, 64, 128) input in the L1 cache, three
-    process pairs; docs/performance.md, "Seventeenth session"). Without AVX-512 the
-    constant is better: LLVM merges with one ``vpblendw``."""
-    mask = ir.Constant(ir.VectorType(_I32, lanes), _HIGH_HALF)
+class PairConstants(NamedTuple):
+    """Vector constants of :func:`bfloat16_pair_code` that LLVM cannot see through
+    (see :func:`pair_constants`)."""
+
+    #: 0xFFFF0000: the mask of the words' upper halves.
+    high_half: ir.Value
+    #: 0x7FFF: the rounding bias where the lowest kept bit is clear.
+    bias: ir.Value
+
+
+def pair_constants(builder, lanes, opaque) -> PairConstants | None:
+    """For :func:`bfloat16_pair_code` on vectors of ``lanes`` words: with ``opaque``
+    (AVX-512 targets, see :func:`has_avx512`), its constants passed once through an
+    empty inline assembly statement at the top of the function, which LLVM cannot see
+    through; else None (LLVM constants, best without AVX-512: LLVM merges two rounded
+    vectors with one ``vpblendw``). The same bits either way. On AVX-512 with
+    constants LLVM sees, it
+
+    - folds the shift, mask and merge of two rounded vectors into one word
+      permutation (``vpermt2w``, three micro-ops on Intel's cores), where the opaque
+      mask keeps a shift and one ``vpternlogd``;
+    - rounds with a shift, a mask and two additions (``0x7FFF`` plus the lowest kept
+      bit), where a bias of ``0x8000`` or the opaque ``0x7FFF`` chosen by that bit
+      takes a bit test into a mask register, a blend and one addition (with a
+      constant ``0x7FFF`` LLVM turns the choice back into the shift and mask).
+
+    The bfloat16 kernel alone on the Emerald Rapids VM without AVX512_BF16 (one
+    core, rows in the L1 cache, process pairs; docs/performance.md, "Seventeenth
+    session"): the merge 0.95-0.96x the time, the rounding after it 0.87-0.94x."""
     if not opaque:
-        return mask
-    barrier = ir.InlineAsm(ir.FunctionType(mask.type, [mask.type]), "", "=v,0")
+        return None
+    vector = ir.VectorType(_I32, lanes)
+    barrier = ir.InlineAsm(ir.FunctionType(vector, [vector]), "", "=v,0")
     with builder.goto_entry_block():
-        return builder.call(barrier, [mask])
+        return PairConstants(
+            *(builder.call(barrier, [ir.Constant(vector, value)]) for value in (_HIGH_HALF, 0x7FFF))
+        )
 
 
 def _usual_unless_any(builder, flags, usual, rare):
@@ -247,7 +278,7 @@ def _usual_unless_any(builder, flags, usual, rare):
     return value
 
 
-def _bfloat16_pair_integer_vector_code(builder, low, high, high_half):
+def _bfloat16_pair_integer_vector_code(builder, low, high, constants):
     """:func:`bfloat16_pair_code` of two float32 vectors, the NaN code only for the
     rare pair of vectors with a NaN lane: one unordered compare of ``low`` with
     ``high`` (true in a lane where either is a NaN) and one test of its mask, where
@@ -255,8 +286,8 @@ def _bfloat16_pair_integer_vector_code(builder, low, high, high_half):
     return _usual_unless_any(
         builder,
         builder.fcmp_unordered("uno", low, high),
-        lambda: bfloat16_pair_code(builder, low, high, nan_free=True, high_half=high_half),
-        lambda: bfloat16_pair_code(builder, low, high, high_half=high_half),
+        lambda: bfloat16_pair_code(builder, low, high, nan_free=True, constants=constants),
+        lambda: bfloat16_pair_code(builder, low, high, constants=constants),
     )
 
 
@@ -330,7 +361,7 @@ _AVX512_CPUS = _BF16_CPUS | {
 
 def has_avx512(context) -> bool:
     """Whether the CPU target of ``context`` has AVX512F and AVX512VL (see
-    :func:`high_half_mask`)."""
+    :func:`pair_constants`)."""
     return _target_has(context, ("+avx512f", "+avx512vl"), _AVX512_CPUS)
 
 
@@ -389,16 +420,16 @@ def _float16_integer_piece(builder, value):
     return builder.call(convert, [value, current_rounding])
 
 
-def bfloat16_pair_vector_code(builder, low, high, instructions, high_half=None):
+def bfloat16_pair_vector_code(builder, low, high, instructions, constants=None):
     """:func:`bfloat16_pair_code` of two float32 vectors of 8 or 16 lanes; with
     ``instructions`` (see :func:`has_bfloat16_instructions`), one ``vcvtne2ps2bf16``
     and a permutation for vectors without NaN or subnormal lanes, the same bits;
     without, the integer code with its NaN handling out of line
-    (:func:`_bfloat16_pair_integer_vector_code`), its words merged with ``high_half``
-    (see :func:`high_half_mask`)."""
+    (:func:`_bfloat16_pair_integer_vector_code`), with ``constants`` (see
+    :func:`pair_constants`)."""
     lanes = low.type.count
     if not instructions or lanes not in (8, 16):
-        return _bfloat16_pair_integer_vector_code(builder, low, high, high_half)
+        return _bfloat16_pair_integer_vector_code(builder, low, high, constants)
     module = builder.module
     flags = ir.VectorType(ir.IntType(1), lanes)
     classify = module.declare_intrinsic(
@@ -423,7 +454,7 @@ def bfloat16_pair_vector_code(builder, low, high, instructions, high_half=None):
         builder,
         special,
         converted,
-        lambda: bfloat16_pair_code(builder, low, high, high_half=high_half),
+        lambda: bfloat16_pair_code(builder, low, high, constants=constants),
     )
 
 

@@ -25,8 +25,8 @@ from numba_rope._conversions import (
     float16_integer_code,
     has_avx512,
     has_bfloat16_instructions,
-    high_half_mask,
     narrow_like,
+    pair_constants,
     widen,
 )
 
@@ -205,9 +205,9 @@ def _vector_joiner(lanes, instructions):
 
             first = builder.load(pointer(0, vector), align=4)
             second = builder.load(pointer(1, vector), align=4)
-            # The kernels' mask of the upper halves for this target (high_half_mask).
-            high_half = high_half_mask(builder, lanes, has_avx512(context))
-            joined = bfloat16_pair_vector_code(builder, first, second, instructions, high_half)
+            # The kernels' constants for this target (pair_constants).
+            constants = pair_constants(builder, lanes, has_avx512(context))
+            joined = bfloat16_pair_vector_code(builder, first, second, instructions, constants)
             builder.store(joined, pointer(2, word_vector), align=4)
             return context.get_dummy_value()
 

@@ -65,6 +65,7 @@ for dtype, words, streaming, token_major in variants:
         "nontemporal": len(re.findall(r"\bv?movnt", asm)),
         "bf16": asm.count("vcvtne2ps2bf16"), "fpclass": asm.count("vfpclassps"),
         "vpermt2w": asm.count("vpermt2w"), "vpternlogd": asm.count("vpternlogd"),
+        "vptestmd": len(re.findall(r"\bvptestn?md\b", asm)),
         "fp16": len(FP16.findall(asm)),
     }
 # What the helper thread runs for a chunk of a decode step (the same row code, reached
@@ -85,6 +86,7 @@ for dtype, words in (("float32", False), ("float16", False), ("bfloat16", True))
         "nontemporal": len(re.findall(r"\bv?movnt", asm)),
         "bf16": asm.count("vcvtne2ps2bf16"), "fpclass": asm.count("vfpclassps"),
         "vpermt2w": asm.count("vpermt2w"), "vpternlogd": asm.count("vpternlogd"),
+        "vptestmd": len(re.findall(r"\bvptestn?md\b", asm)),
         "fp16": len(FP16.findall(asm)),
     }
 # The vector steps alone, streaming: every store of a rotated result must be
@@ -122,6 +124,7 @@ for dtype, words in (("float32", False), ("float16", False), ("bfloat16", True))
             "ordinary stores": len(ordinary_store.findall(asm)),
             "bf16": asm.count("vcvtne2ps2bf16"), "fpclass": asm.count("vfpclassps"),
         "vpermt2w": asm.count("vpermt2w"), "vpternlogd": asm.count("vpternlogd"),
+        "vptestmd": len(re.findall(r"\bvptestn?md\b", asm)),
             "fp16": len(FP16.findall(asm)),
         }
 # rope_cache's cos/sin: double-double arithmetic (Dekker's split and products), which a
@@ -141,7 +144,7 @@ for name, kernel, arguments in (
     report[name] = {
         "fma": len(re.findall(r"\bv?f(n?m(add|sub)|madd|msub)\w*", asm)),
         "zmm": asm.count("%zmm"), "ymm": asm.count("%ymm") + asm.count("%xmm"), "nontemporal": 0,
-        "bf16": 0, "fpclass": 0, "fp16": 0, "vpermt2w": 0, "vpternlogd": 0,
+        "bf16": 0, "fpclass": 0, "fp16": 0, "vpermt2w": 0, "vpternlogd": 0, "vptestmd": 0,
     }
 print(json.dumps(report))
 """
@@ -186,11 +189,13 @@ def test_kernels_compiled_for_other_x86_cpus_contain_no_fma(tmp_path, cpu):
         converts = variant.startswith("bfloat16") and cpu in AVX512_BF16
         assert (counts["bf16"] > 0) == converts, f"{cpu} {variant}: {counts['bf16']} vcvtne2ps2bf16"
         assert counts["fpclass"] >= counts["bf16"], f"{cpu} {variant}: conversion without test"
-        # bfloat16 words merged with a shift and vpternlogd on AVX-512 without
-        # AVX512_BF16, not with the word permutation LLVM makes of a constant mask
-        # (see high_half_mask); AVX512_BF16's results are permuted (vpermt2w).
+        # bfloat16 words on AVX-512 without AVX512_BF16 (see pair_constants): rounded
+        # with a bit test into a mask register, merged with a shift and vpternlogd,
+        # not with the word permutation LLVM makes of constants it sees.
+        # AVX512_BF16's results are permuted (vpermt2w).
         if variant.startswith("bfloat16") and cpu in AVX512 - AVX512_BF16:
             assert counts["vpermt2w"] == 0, f"{cpu} {variant}: vpermt2w"
             assert counts["vpternlogd"] > 0, f"{cpu} {variant}: no vpternlogd"
+            assert counts["vptestmd"] > 0, f"{cpu} {variant}: no vptestmd"
         if cpu not in AVX512_FP16:
             assert counts["fp16"] == 0, f"{cpu} {variant}: AVX512-FP16 instructions"

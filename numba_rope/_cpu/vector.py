@@ -34,8 +34,8 @@ from numba_rope._conversions import (
     has_avx512,
     has_bfloat16_instructions,
     has_float16_arithmetic,
-    high_half_mask,
     narrow_code,
+    pair_constants,
     widen_code,
 )
 
@@ -102,7 +102,7 @@ class _Stream:
         self.nontemporal = builder.module.add_metadata([ir.Constant(_LANE, 1)])
         self.float16_arithmetic = has_float16_arithmetic(context)
         self.avx512 = has_avx512(context)
-        self.high_halves = {}
+        self.pair_constants = {}
 
     def pointer(self, array, index, lanes, element=None):
         element = array.data.type.pointee if element is None else element
@@ -173,14 +173,14 @@ class _Stream:
             self.builder.store(words, pointer).align = 2
 
     def pair_words(self, low, high, instructions):
-        """:func:`bfloat16_pair_vector_code` of two vectors, with the mask of the words'
-        upper halves this target merges best with (:func:`high_half_mask`), made
-        once per width and function."""
+        """:func:`bfloat16_pair_vector_code` of two vectors, with the constants this
+        target rounds and merges best with (:func:`pair_constants`), made once per
+        width and function."""
         lanes = low.type.count
-        if lanes not in self.high_halves:
-            self.high_halves[lanes] = high_half_mask(self.builder, lanes, self.avx512)
+        if lanes not in self.pair_constants:
+            self.pair_constants[lanes] = pair_constants(self.builder, lanes, self.avx512)
         return bfloat16_pair_vector_code(
-            self.builder, low, high, instructions, self.high_halves[lanes]
+            self.builder, low, high, instructions, self.pair_constants[lanes]
         )
 
     def splat(self, value, lanes):
