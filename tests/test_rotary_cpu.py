@@ -358,6 +358,7 @@ def test_16_bit_caches_give_the_contract_bits(rng, monkeypatch, dtype, form, run
     seq_len = 1 if form == "decode" else 7
     for head_size, rotary_dim in ((48, 0), (128, 120), (130, 48)):
         x, cos, sin, ids = make_case(rng, (3, 6, seq_len, head_size), dtype, rotary_dim=rotary_dim)
+        assert cos.dtype == dtype  # 16-bit caches, which the token-major kernels widen
         k = rng.standard_normal((3, 2, seq_len, head_size)).astype(dtype)
         layout = "bshd" if form == "bshd" else "bhsd"
 
