@@ -41,6 +41,19 @@ from numba_rope.bench import make_arrays
 report = {}
 # AVX512-FP16's own instructions (F16C's vcvtps2ph / vcvtph2ps are not among them).
 FP16 = re.compile(r"\bv(?:cvtps2phx|cvtph2psx|cvtsh2ss|cvtss2sh|movsh|movw|(?:add|sub|mul)[ps]h)\b")
+
+
+def counts(asm):  # the instructions the assertions below look for, in one kernel's assembly
+    return {
+        "fma": len(re.findall(r"\bv?f(n?m(add|sub)|madd|msub)\w*", asm)),
+        "zmm": asm.count("%zmm"), "ymm": asm.count("%ymm"), "xmm": asm.count("%xmm"),
+        "nontemporal": len(re.findall(r"\bv?movnt", asm)),
+        "bf16": asm.count("vcvtne2ps2bf16"), "fpclass": asm.count("vfpclassps"),
+        "vpermt2w": asm.count("vpermt2w"), "vpternlogd": asm.count("vpternlogd"),
+        "vptestmd": len(re.findall(r"\bvptestn?md\b", asm)),
+        "fp16": len(FP16.findall(asm)),
+    }
+
 variants = [(d, w, streaming, False) for d, w in (("float32", False), ("float16", False),
             ("bfloat16", True)) for streaming in (False, True)]
 variants += [  # decode steps (float16: cache rows widened once per token)
@@ -59,15 +72,7 @@ for dtype, words, streaming, token_major in variants:
     serial.compile(signature)
     asm = serial.inspect_asm(signature)
     name = dtype + (" streaming" if streaming else "") + (" token-major" if token_major else "")
-    report[name] = {
-        "fma": len(re.findall(r"\bv?f(n?m(add|sub)|madd|msub)\w*", asm)),
-        "zmm": asm.count("%zmm"), "ymm": asm.count("%ymm"),
-        "nontemporal": len(re.findall(r"\bv?movnt", asm)),
-        "bf16": asm.count("vcvtne2ps2bf16"), "fpclass": asm.count("vfpclassps"),
-        "vpermt2w": asm.count("vpermt2w"), "vpternlogd": asm.count("vpternlogd"),
-        "vptestmd": len(re.findall(r"\bvptestn?md\b", asm)),
-        "fp16": len(FP16.findall(asm)),
-    }
+    report[name] = counts(asm)
 # What the helper thread runs for a chunk of a decode step (the same row code, reached
 # through a C function of its own).
 from numba_rope._cpu.helper import _like
@@ -80,15 +85,7 @@ for dtype, words in (("float32", False), ("float16", False), ("bfloat16", True))
     likes = (_like(view(x)), None, _like(view(cos)), _like(view(sin)), _like(ids))
     run = make_runner((False, False, True, 0, words, False, True), likes)
     asm = run._library.get_asm_str()
-    report[dtype + " token-major helper runner"] = {
-        "fma": len(re.findall(r"\bv?f(n?m(add|sub)|madd|msub)\w*", asm)),
-        "zmm": asm.count("%zmm"), "ymm": asm.count("%ymm"),
-        "nontemporal": len(re.findall(r"\bv?movnt", asm)),
-        "bf16": asm.count("vcvtne2ps2bf16"), "fpclass": asm.count("vfpclassps"),
-        "vpermt2w": asm.count("vpermt2w"), "vpternlogd": asm.count("vpternlogd"),
-        "vptestmd": len(re.findall(r"\bvptestn?md\b", asm)),
-        "fp16": len(FP16.findall(asm)),
-    }
+    report[dtype + " token-major helper runner"] = counts(asm)
 # The vector steps alone, streaming: every store of a rotated result must be
 # non-temporal (an ordinary vector store to the output is a store LLVM made of a
 # non-temporal one; stores to the stack are spills).
@@ -118,14 +115,7 @@ for dtype, words in (("float32", False), ("float16", False), ("bfloat16", True))
         steps(*rows)
         asm = steps.inspect_asm(steps.signatures[0])
         report[dtype + (" interleaved" if interleaved else "") + " streaming steps"] = {
-            "fma": len(re.findall(r"\bv?f(n?m(add|sub)|madd|msub)\w*", asm)),
-            "zmm": asm.count("%zmm"), "ymm": asm.count("%ymm"),
-            "nontemporal": len(re.findall(r"\bv?movnt", asm)),
-            "ordinary stores": len(ordinary_store.findall(asm)),
-            "bf16": asm.count("vcvtne2ps2bf16"), "fpclass": asm.count("vfpclassps"),
-        "vpermt2w": asm.count("vpermt2w"), "vpternlogd": asm.count("vpternlogd"),
-        "vptestmd": len(re.findall(r"\bvptestn?md\b", asm)),
-            "fp16": len(FP16.findall(asm)),
+            **counts(asm), "ordinary stores": len(ordinary_store.findall(asm))
         }
 # rope_cache's cos/sin: double-double arithmetic (Dekker's split and products), which a
 # fused multiply-add would silently change.
@@ -141,11 +131,7 @@ for name, kernel, arguments in (
     signature = tuple(typeof(a) for a in arguments)
     kernel.compile(signature)
     asm = kernel.inspect_asm(signature)
-    report[name] = {
-        "fma": len(re.findall(r"\bv?f(n?m(add|sub)|madd|msub)\w*", asm)),
-        "zmm": asm.count("%zmm"), "ymm": asm.count("%ymm") + asm.count("%xmm"), "nontemporal": 0,
-        "bf16": 0, "fpclass": 0, "fp16": 0, "vpermt2w": 0, "vpternlogd": 0, "vptestmd": 0,
-    }
+    report[name] = counts(asm)
 print(json.dumps(report))
 """
 
