@@ -551,6 +551,62 @@ def test_float16_halves_two_steps_at_a_time(rng, head_size, rotary_dim):
         assert_bitwise_equal(work, want)
 
 
+def _vector_steps(interleaved, words, streaming):
+    """A function of a row running the vector steps alone, with these options as the
+    compile-time constants the kernels give them and the row length as a value."""
+    from numba_rope._cpu.vector import vector_pairs
+
+    @numba.njit
+    def steps(x_row, cos_row, sin_row, out_row, half):
+        sign = np.float32(1.0)
+        return vector_pairs(
+            x_row, cos_row, sin_row, out_row, half, sign, interleaved, words, streaming
+        )
+
+    return steps
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["stores", "streaming"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize(
+    ("dtype", "words"),
+    [(np.float32, False), (np.float16, False), (BFLOAT16, True)],
+    ids=["float32", "float16", "bfloat16-words"],
+)
+def test_vector_steps_of_rows_of_every_length(rng, dtype, words, interleaved, streaming):
+    # The vector steps are emitted once with the row's length as a constant for each
+    # of CONSTANT_HALVES and once for any length (see vector._by_half): every length,
+    # those and their neighbours, rotates the same pairs (half rounded down to 8
+    # pairs, to 16 for bfloat16 halves taken two per word) with the contract's bits,
+    # and leaves the rest to the element loops untouched. Streaming stores need the
+    # second half of a row on 16 bytes: halves of 8 pairs there.
+    from numba_rope._aligned import empty_on_line
+    from numba_rope._cpu.backend import storage_dtype
+    from numba_rope._cpu.vector import CONSTANT_HALVES
+
+    steps = _vector_steps(interleaved, words, streaming)
+    storage = storage_dtype(np.dtype(dtype))
+    view = (lambda a: a) if storage is None else (lambda a: a.view(storage))
+    halves = {h for special in CONSTANT_HALVES for h in (special - 8, special, special + 8)}
+    if not streaming:
+        halves |= {h for special in CONSTANT_HALVES for h in (special - 1, special + 1)}
+    for half in sorted(halves | {8, 24}):
+        x = rng.standard_normal((1, 1, 1, 2 * half)).astype(dtype)
+        _, cos, sin, _ = make_case(rng, (1, 1, 1, 2 * half), dtype, position_ids=False)
+        want = float32_contract(x, cos, sin, None, interleaved)[0, 0, 0]
+        out = empty_on_line((2 * half,), dtype)
+        out[:] = 0
+        done = steps(view(x[0, 0, 0]), view(cos[0, 0]), view(sin[0, 0]), view(out), half)
+        assert done == half - half % (16 if words and not interleaved else 8), half
+        rotated = np.zeros(2 * half, bool)
+        if interleaved:
+            rotated[: 2 * done] = True
+        else:
+            rotated[:done] = rotated[half : half + done] = True
+        assert_bitwise_equal(out[rotated], want[rotated])
+        assert not out[~rotated].astype(np.float32).any(), half  # left to the element loops
+
+
 def test_concurrent_calls_from_python_threads(rng, parallel_always):
     cases = [make_case(np.random.default_rng(i), (2, 4, 32, 64), np.float32) for i in range(4)]
     wants = [float32_contract(*case) for case in cases]
