@@ -516,12 +516,11 @@ def _by_half(builder, half, emit):
     With the length known LLVM unrolls the steps and drops their loop bounds, tail
     tests and the spills of a loop over an unknown length: a cost paid once per row,
     2,048 rows a decode step of (64, 32, 1, 128). The serial decode kernel called from
-    Python, one thread, three process pairs: float32 52-55 µs against 65-66 without,
-    bfloat16 31-32 against 36-39, float16 27-28 against 26-29 (unchanged: F16C's
-    conversions bound it); the bfloat16 batch prefill 0.86-0.90x (docs/performance.md,
-    "Eighteenth session"). The same arithmetic either way, so the same bits. A test per
-    row rather than a kernel per head size: 18 kernels compiled in 29.5-29.7 s against
-    28.6-29.4 without."""
+    Python, one thread, eight process pairs on a noisy VM: float32 0.69-0.92x the time
+    without, bfloat16 0.80-1.02x, float16 unchanged (F16C's conversions bound it); the
+    bfloat16 batch prefill 0.86-0.90x (docs/performance.md, "Eighteenth session"). The
+    same arithmetic either way, so the same bits. A test per row rather than a kernel
+    per head size: 18 kernels compiled in 29.5-29.7 s against 28.6-29.4 without."""
     done = []
     merge = builder.append_basic_block("rows.done")
     for value in CONSTANT_HALVES:
