@@ -5,6 +5,7 @@ devices are in test_rotary.py."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numba
@@ -578,8 +579,12 @@ def test_vector_steps_of_rows_of_every_length(rng, dtype, words, interleaved, st
     # of CONSTANT_HALVES and once for any length (see vector._by_half): every length,
     # those and their neighbours, rotates the same pairs (half rounded down to 8
     # pairs, to 16 for bfloat16 halves taken two per word) with the contract's bits,
-    # and leaves the rest to the element loops untouched. Streaming stores need the
-    # second half of a row on 16 bytes: halves of 8 pairs there.
+    # and leaves the rest to the element loops untouched. float32 rows with ordinary
+    # stores whose output starts off a 64-byte line by whole pairs, of a step's 16
+    # pairs or more, are done whole from the first pair on a line, with two steps
+    # over the edges (see _Stream.off_line), in place too. Outputs on a line and off
+    # it by 16 to 48 bytes, and by 4 (part of an interleaved pair); streaming stores
+    # need the output and its second half on 16 bytes: halves of 8 pairs there.
     from numba_rope._aligned import empty_on_line
     from numba_rope._cpu.backend import storage_dtype
     from numba_rope._cpu.vector import CONSTANT_HALVES
@@ -587,24 +592,39 @@ def test_vector_steps_of_rows_of_every_length(rng, dtype, words, interleaved, st
     steps = _vector_steps(interleaved, words, streaming)
     storage = storage_dtype(np.dtype(dtype))
     view = (lambda a: a) if storage is None else (lambda a: a.view(storage))
+    itemsize = np.dtype(dtype).itemsize
+    pair_bytes = itemsize * (2 if interleaved else 1)
     halves = {h for special in CONSTANT_HALVES for h in (special - 8, special, special + 8)}
+    offsets = [0, 16, 32, 48]
     if not streaming:
         halves |= {h for special in CONSTANT_HALVES for h in (special - 1, special + 1)}
-    for half in sorted(halves | {8, 24}):
-        x = rng.standard_normal((1, 1, 1, 2 * half)).astype(dtype)
+        offsets.append(4)
+    for half, offset, in_place in itertools.product(
+        sorted(halves | {8, 24}), offsets, (False, True)
+    ):
+        x = rng.standard_normal(2 * half).astype(dtype)
         _, cos, sin, _ = make_case(rng, (1, 1, 1, 2 * half), dtype, position_ids=False)
-        want = float32_contract(x, cos, sin, None, interleaved)[0, 0, 0]
-        out = empty_on_line((2 * half,), dtype)
-        out[:] = 0
-        done = steps(view(x[0, 0, 0]), view(cos[0, 0]), view(sin[0, 0]), view(out), half)
-        assert done == half - half % (16 if words and not interleaved else 8), half
+        want = float32_contract(x[None, None, None], cos, sin, None, interleaved)[0, 0, 0]
+        buffer = empty_on_line((2 * half * itemsize + 64,), np.uint8)
+        out = buffer[offset : offset + 2 * half * itemsize].view(dtype)
+        out[:] = x if in_place else 0
+        source = out if in_place else x
+        done = steps(view(source), view(cos[0, 0]), view(sin[0, 0]), view(out), half)
+        lead = -offset % 64
+        whole = dtype == np.float32 and not streaming and lead and lead % pair_bytes == 0
+        if whole and half >= 16:
+            assert done == half, (half, offset)
+        else:
+            assert done == half - half % (16 if words and not interleaved else 8), half
         rotated = np.zeros(2 * half, bool)
         if interleaved:
             rotated[: 2 * done] = True
         else:
             rotated[:done] = rotated[half : half + done] = True
         assert_bitwise_equal(out[rotated], want[rotated])
-        assert not out[~rotated].astype(np.float32).any(), half  # left to the element loops
+        # left to the element loops
+        untouched = x if in_place else np.zeros_like(x)
+        assert_bitwise_equal(out[~rotated], untouched[~rotated])
 
 
 def test_concurrent_calls_from_python_threads(rng, parallel_always):

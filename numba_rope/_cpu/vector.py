@@ -215,18 +215,68 @@ class _Stream:
             done = stop
         return done
 
-    def double_steps(self, length, body):
-        """A loop over ``[0, n)``, ``n`` = ``length`` rounded down to a multiple of twice
-        the widest of :data:`VECTOR_WIDTHS`: ``body(index, lanes)`` for two steps of
-        ``lanes`` units at once. Returns ``n``, where :meth:`steps` takes over."""
+    def double_steps(self, start, length, body):
+        """A loop over ``[start, start + n)``, ``n`` = ``length`` rounded down to a
+        multiple of twice the widest of :data:`VECTOR_WIDTHS`: ``body(index, lanes)`` for
+        two steps of ``lanes`` units at once. Returns ``start + n``, where :meth:`steps`
+        takes over."""
         lanes = VECTOR_WIDTHS[0]
         step = ir.Constant(self.intp, 2 * lanes)
-        stop = self.builder.and_(length, ir.Constant(self.intp, -2 * lanes))
-        with cgutils.for_range_slice(
-            self.builder, ir.Constant(self.intp, 0), stop, step, self.intp
-        ) as (index, _):
+        stop = self.builder.add(
+            start, self.builder.and_(length, ir.Constant(self.intp, -2 * lanes))
+        )
+        with cgutils.for_range_slice(self.builder, start, stop, step, self.intp) as (index, _):
             body(index, lanes)
         return stop
+
+    def off_line(self, out, half, pair_bytes, steps, compute, store):
+        """``steps(start, length)`` (the vector loops over ``length`` pairs from
+        ``start``, returning where they stop) over a row of ``half`` pairs whose
+        output starts off a 64-byte line, by whole pairs of ``pair_bytes`` bytes: from
+        the first pair on a line, with one widest step over the pairs from 0 and one
+        over the last ones, each computed (``compute(pair, lanes)``) before the loops
+        and stored (``store(pair, values, lanes)``) after them, over pairs the loops
+        store too, with the same values. Returns ``half``, or, for an output on a line
+        (or rows of fewer pairs than a step), ``steps(0, half)``.
+
+        A float32 row whose output starts off a line has each of its 64-byte stores
+        span two lines; NumPy's large arrays often start 16 bytes past one. Here two
+        steps a row span lines. One process, old and new code on the same outputs
+        (docs/performance.md, "Eighteenth session"): a decode step (64, 32, 1, 128)
+        16, 32 or 48 bytes off a line 0.60-0.83x the time (27.1-41.9 µs against
+        24.4 on a line), the seed (2, 8, 4, 512) 0.56-0.65x; on a line unchanged.
+        In place too: both edge steps read their pairs before the loops write any,
+        and every pair stored twice gets the same bits. float16 and bfloat16 rows,
+        bound by their conversions, did not change off a line (measured)."""
+        builder = self.builder
+        lanes = VECTOR_WIDTHS[0]
+        zero = ir.Constant(self.intp, 0)
+        lead_bytes = builder.and_(
+            builder.neg(builder.ptrtoint(out.data, self.intp)), ir.Constant(self.intp, 63)
+        )
+        whole_pairs = builder.icmp_unsigned(
+            "==", builder.and_(lead_bytes, ir.Constant(self.intp, pair_bytes - 1)), zero
+        )
+        off = builder.and_(
+            builder.and_(builder.icmp_unsigned("!=", lead_bytes, zero), whole_pairs),
+            builder.icmp_unsigned(">=", half, ir.Constant(self.intp, lanes)),
+        )
+        with builder.if_else(off, likely=False) as (off_line, on_line):
+            with off_line:
+                last = builder.sub(half, ir.Constant(self.intp, lanes))
+                edges = [(pair, compute(pair, lanes)) for pair in (zero, last)]
+                lead = builder.udiv(lead_bytes, ir.Constant(self.intp, pair_bytes))
+                steps(lead, builder.sub(half, lead))
+                for pair, values in edges:
+                    store(pair, values, lanes)
+                off_block = builder.block
+            with on_line:
+                done = steps(zero, half)
+                on_block = builder.block
+        pairs = builder.phi(self.intp)
+        pairs.add_incoming(half, off_block)
+        pairs.add_incoming(done, on_block)
+        return pairs
 
     def rotate(self, x1, x2, cos, sin, sign):
         """``rotate_pair`` on vectors: one rounding per operation, no contraction."""
@@ -272,7 +322,9 @@ def _stream_arguments(context, builder, signature, args):
 def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     """Typing of a :func:`vector_pairs` step: rotate the first ``n`` pairs of a row of
     ``half`` non-interleaved pairs, ``n`` = ``half`` rounded down to a multiple of
-    8, and return ``n``; steps of :data:`VECTOR_WIDTHS` pairs. float16 rows go two
+    8 (all of them for float32 rows with ordinary stores whose output starts off a
+    64-byte line: :meth:`_Stream.off_line`), and return ``n``; steps of
+    :data:`VECTOR_WIDTHS` pairs. float16 rows go two
     of the widest steps at a time first, each half of the row narrowed for both steps
     and stored as one vector (:meth:`_Stream.store_joined`): F16C's conversion bounds
     these loops, and into a register it is cheaper than into memory (with the vector
@@ -315,10 +367,13 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
                 sign,
             )
 
-        def step(first, lanes):
-            second, (y1, y2) = rotated(first, lanes)
+        def put(first, values, lanes):
+            second, (y1, y2) = values
             stream.store(y1, out, first, x_type, lanes, nontemporal)
             stream.store(y2, out, second, x_type, lanes, nontemporal)
+
+        def step(first, lanes):
+            put(first, rotated(first, lanes), lanes)
 
         def two_steps(first, lanes):
             # float16: both steps' halves narrowed, joined and stored as one vector,
@@ -329,10 +384,15 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
             stream.store_joined(y1, z1, joined, out, first, x_type, nontemporal)
             stream.store_joined(y2, z2, joined, out, second, x_type, nontemporal)
 
-        done = ir.Constant(stream.intp, 0)
-        if x_type == types.uint16:
-            done = stream.double_steps(half, two_steps)
-        return stream.steps(done, builder.sub(half, done), step)
+        def steps(start, length):
+            if x_type == types.uint16:
+                start = stream.double_steps(start, length, two_steps)
+                length = builder.sub(half, start)
+            return stream.steps(start, length, step)
+
+        if x_type == types.float32 and not nontemporal:
+            return stream.off_line(out, half, 4, steps, rotated, put)
+        return steps(ir.Constant(stream.intp, 0), half)
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
 
@@ -354,8 +414,9 @@ def _interleaved(pairs):
 def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     """:func:`_stream_pairs` for interleaved pairs (with non-temporal stores the output
     row must start on :data:`STREAM_ALIGNMENT` bytes; ordinary stores take any element
-    offset): the pairs of a step are loaded as one vector, split into firsts and
-    seconds, and merged back after the rotation.
+    offset; float32 rows off a 64-byte line as in :meth:`_Stream.off_line`): the pairs
+    of a step are loaded as one vector, split into firsts and seconds, and merged back
+    after the rotation.
 
     Steps of the widest width go two at a time, both loaded before either is stored.
     One step after another (load a vector of pairs, store it, load the next), a row
@@ -383,7 +444,7 @@ def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, hal
                 stream.load(sin, pair, cache_type, lanes),
             )
 
-        def rotate_and_store(element, pairs, cos_lanes, sin_lanes, lanes):
+        def rotated(element, pairs, cos_lanes, sin_lanes, lanes):
             y1, y2 = stream.rotate(
                 stream.shuffle(pairs, pairs, _firsts(lanes)),
                 stream.shuffle(pairs, pairs, _seconds(lanes)),
@@ -391,7 +452,10 @@ def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, hal
                 sin_lanes,
                 sign,
             )
-            merged = stream.shuffle(y1, y2, _interleaved(lanes))
+            return stream.shuffle(y1, y2, _interleaved(lanes))
+
+        def put(pair, merged, lanes):
+            element = builder.add(pair, pair)
             stream.store(merged, out, element, x_type, 2 * lanes, nontemporal)
 
         def two_steps(pair, lanes):
@@ -400,13 +464,21 @@ def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, hal
                 load(builder.add(pair, ir.Constant(stream.intp, lanes)), lanes),
             ]
             for values in loaded:
-                rotate_and_store(*values, lanes)
+                stream.store(rotated(*values, lanes), out, values[0], x_type, 2 * lanes,
+                             nontemporal)  # fmt: skip
 
         def step(pair, lanes):
-            rotate_and_store(*load(pair, lanes), lanes)
+            put(pair, rotated(*load(pair, lanes), lanes), lanes)
 
-        done = stream.double_steps(half, two_steps)
-        return stream.steps(done, builder.sub(half, done), step)
+        def steps(start, length):
+            start = stream.double_steps(start, length, two_steps)
+            return stream.steps(start, builder.sub(half, start), step)
+
+        if x_type == types.float32 and not nontemporal:
+            return stream.off_line(
+                out, half, 8, steps, lambda pair, lanes: rotated(*load(pair, lanes), lanes), put
+            )
+        return steps(ir.Constant(stream.intp, 0), half)
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
 
