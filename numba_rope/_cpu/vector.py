@@ -351,7 +351,7 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     if not _stream_typing(x_row, cos_row, sin_row, out_row):
         return None
 
-    def codegen(context, builder, signature, args):
+    def codegen(context, builder, signature, args, off_line=True):
         (x, cos, sin, out), x_type, cache_type, half, sign = _stream_arguments(
             context, builder, signature, args
         )
@@ -390,7 +390,7 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
                 length = builder.sub(half, start)
             return stream.steps(start, length, step)
 
-        if x_type == types.float32 and not nontemporal:
+        if off_line and x_type == types.float32 and not nontemporal:
             return stream.off_line(out, half, 4, steps, rotated, put)
         return steps(ir.Constant(stream.intp, 0), half)
 
@@ -429,7 +429,7 @@ def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, hal
     if not _stream_typing(x_row, cos_row, sin_row, out_row):
         return None
 
-    def codegen(context, builder, signature, args):
+    def codegen(context, builder, signature, args, off_line=True):
         (x, cos, sin, out), x_type, cache_type, half, sign = _stream_arguments(
             context, builder, signature, args
         )
@@ -474,7 +474,7 @@ def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, hal
             start = stream.double_steps(start, length, two_steps)
             return stream.steps(start, builder.sub(half, start), step)
 
-        if x_type == types.float32 and not nontemporal:
+        if off_line and x_type == types.float32 and not nontemporal:
             return stream.off_line(
                 out, half, 8, steps, lambda pair, lanes: rotated(*load(pair, lanes), lanes), put
             )
@@ -494,7 +494,7 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
     if not _word_typing(x_row, cos_row, sin_row, out_row):
         return None
 
-    def codegen(context, builder, signature, args):
+    def codegen(context, builder, signature, args, off_line=True):
         (x, cos, sin, out), _, cache_type, half, sign = _stream_arguments(
             context, builder, signature, args
         )
@@ -541,7 +541,7 @@ def _word_interleaved_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row
     if not _word_typing(x_row, cos_row, sin_row, out_row):
         return None
 
-    def codegen(context, builder, signature, args):
+    def codegen(context, builder, signature, args, off_line=True):
         (x, cos, sin, out), _, cache_type, half, sign = _stream_arguments(
             context, builder, signature, args
         )
@@ -581,10 +581,15 @@ _VECTOR_PAIRS = {
 }
 
 
-def _by_half(builder, half, emit):
-    """``emit(half)``, the code of a row's vector steps, behind a test of ``half``
-    against each of :data:`CONSTANT_HALVES`: emitted once per constant, with the
-    constant as the row length, and once for any other length; returns the pairs done.
+def _by_half(builder, half, emit, on_line=None):
+    """``emit(half, constant)``, the code of a row's vector steps, behind a test of
+    ``half`` against each of :data:`CONSTANT_HALVES`: emitted once per constant, with
+    the constant as the row length (``constant`` True), and once for any other length;
+    returns the pairs done. With ``on_line`` (a flag: the output starts on a 64-byte
+    line) the constant lengths take only rows on a line, and their code leaves out
+    :meth:`_Stream.off_line`'s second path: rows off a line take the code for any
+    length, which has it (the float32 element steps emitted four times, not six:
+    the suite's compile time).
     With the length known LLVM unrolls the steps and drops their loop bounds, tail
     tests and the spills of a loop over an unknown length: a cost paid once per row,
     2,048 rows a decode step of (64, 32, 1, 128). The serial decode kernel called from
@@ -599,12 +604,15 @@ def _by_half(builder, half, emit):
         constant = ir.Constant(half.type, value)
         special = builder.append_basic_block(f"rows.of.{value}")
         other = builder.append_basic_block(f"rows.not.{value}")
-        builder.cbranch(builder.icmp_unsigned("==", half, constant), special, other)
+        taken = builder.icmp_unsigned("==", half, constant)
+        if on_line is not None:
+            taken = builder.and_(taken, on_line)
+        builder.cbranch(taken, special, other)
         builder.position_at_end(special)
-        done.append((emit(constant), builder.block))
+        done.append((emit(constant, True), builder.block))
         builder.branch(merge)
         builder.position_at_end(other)
-    done.append((emit(half), builder.block))
+    done.append((emit(half, False), builder.block))
     builder.branch(merge)
     builder.position_at_end(merge)
     pairs = builder.phi(done[0][0].type)
@@ -649,13 +657,31 @@ def vector_pairs(
             return None
         inner_signature, inner_codegen = typed
 
+        # float32 element steps with ordinary stores: rows off a line take the
+        # code for any length (see _by_half).
+        lines_matter = not options[1] and not options[2] and x_row.dtype == types.float32
+
         def codegen(context, builder, signature, args):
+            on_line = None
+            if lines_matter:
+                out = context.make_array(signature.args[3])(context, builder, args[3])
+                address = builder.ptrtoint(out.data, ir.IntType(64))
+                on_line = builder.icmp_unsigned(
+                    "==",
+                    builder.and_(address, ir.Constant(ir.IntType(64), 63)),
+                    ir.Constant(ir.IntType(64), 0),
+                )
             return _by_half(
                 builder,
                 args[4],
-                lambda half: inner_codegen(
-                    context, builder, inner_signature, [*args[:4], half, args[5]]
+                lambda half, constant: inner_codegen(
+                    context,
+                    builder,
+                    inner_signature,
+                    [*args[:4], half, args[5]],
+                    off_line=not (constant and lines_matter),
                 ),
+                on_line,
             )
 
     return types.intp(*rows, interleaved, words, streaming), codegen
