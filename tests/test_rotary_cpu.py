@@ -627,6 +627,39 @@ def test_vector_steps_of_rows_of_every_length(rng, dtype, words, interleaved, st
         assert_bitwise_equal(out[~rotated], untouched[~rotated])
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("shape", [(4, 8, 1, 128), (2, 3, 5, 128), (2, 3, 5, 72)])
+def test_float32_outputs_off_a_line_give_the_contract_bits(rng, shape, interleaved):
+    # Through the public call (decode and head-major rows, one tensor and q+k, in
+    # place): outputs 16, 32 and 48 bytes past a 64-byte line, where float32 rows
+    # start their vector steps on the line and cover the edges with a step each
+    # (vector._Stream.off_line), and 4 bytes past (part of an interleaved pair).
+    from numba_rope._aligned import empty_on_line
+
+    x, cos, sin, ids = make_case(rng, shape, np.float32)
+    k = rng.standard_normal((shape[0], 2, *shape[2:])).astype(np.float32)
+    want_x = float32_contract(x, cos, sin, ids, interleaved)
+    want_k = float32_contract(k, cos, sin, ids, interleaved)
+
+    def placed(like, offset):
+        buffer = empty_on_line((like.nbytes + 64,), np.uint8)
+        return buffer[offset : offset + like.nbytes].view(like.dtype).reshape(like.shape)
+
+    for offset in (16, 32, 48, 4):
+        out, out_k = placed(x, offset), placed(k, offset)
+        numba_rope.rotary_embedding(x, cos, sin, ids, interleaved=interleaved, out=out)
+        assert_bitwise_equal(out, want_x)
+        numba_rope.rotary_embedding_qk(
+            x, k, cos, sin, ids, interleaved=interleaved, out_q=out, out_k=out_k
+        )
+        assert_bitwise_equal(out, want_x)
+        assert_bitwise_equal(out_k, want_k)
+        work = placed(x, offset)
+        work[...] = x
+        numba_rope.rotary_embedding(work, cos, sin, ids, interleaved=interleaved, out=work)
+        assert_bitwise_equal(work, want_x)
+
+
 def test_concurrent_calls_from_python_threads(rng, parallel_always):
     cases = [make_case(np.random.default_rng(i), (2, 4, 32, 64), np.float32) for i in range(4)]
     wants = [float32_contract(*case) for case in cases]
