@@ -580,11 +580,12 @@ def test_vector_steps_of_rows_of_every_length(rng, dtype, words, interleaved, st
     # those and their neighbours, rotates the same pairs (half rounded down to 8
     # pairs, to 16 for bfloat16 halves taken two per word) with the contract's bits,
     # and leaves the rest to the element loops untouched. float32 rows with ordinary
-    # stores whose output starts off a 64-byte line by whole pairs, of a step's 16
-    # pairs or more, are done whole from the first pair on a line, with two steps
-    # over the edges (see _Stream.off_line), in place too. Outputs on a line and off
-    # it by 16 to 48 bytes, and by 4 (part of an interleaved pair); streaming stores
-    # need the output and its second half on 16 bytes: halves of 8 pairs there.
+    # stores whose output starts off a 64-byte line by 16 to 48 bytes, of a step's 16
+    # pairs or more, are done from the first pair on a line, with steps of 16 and 32
+    # bytes over the edges (see _Stream.off_line): all but the pairs past the last
+    # 16 bytes, in place too. Outputs on a line and off it by 16 to 48 bytes, and by
+    # 4 (part of an interleaved pair: as on a line); streaming stores need the output
+    # and its second half on 16 bytes: halves of 8 pairs there.
     from numba_rope._aligned import empty_on_line
     from numba_rope._cpu.backend import storage_dtype
     from numba_rope._cpu.vector import CONSTANT_HALVES
@@ -611,11 +612,12 @@ def test_vector_steps_of_rows_of_every_length(rng, dtype, words, interleaved, st
         source = out if in_place else x
         done = steps(view(source), view(cos[0, 0]), view(sin[0, 0]), view(out), half)
         lead = -offset % 64
-        whole = dtype == np.float32 and not streaming and lead and lead % pair_bytes == 0
-        if whole and half >= 16:
-            assert done == half, (half, offset)
+        scale = 2 if words and not interleaved else 1  # pairs a lane
+        lines = not words and (dtype == np.float32 or streaming)
+        if lines and lead % 16 == 0 < lead and half >= max(16, 64 // pair_bytes):
+            assert done == half - half % (16 // pair_bytes), (half, offset)
         else:
-            assert done == half - half % (16 if words and not interleaved else 8), half
+            assert done == half - half % (8 * scale), (half, offset)
         rotated = np.zeros(2 * half, bool)
         if interleaved:
             rotated[: 2 * done] = True
@@ -632,7 +634,7 @@ def test_vector_steps_of_rows_of_every_length(rng, dtype, words, interleaved, st
 def test_float32_outputs_off_a_line_give_the_contract_bits(rng, shape, interleaved):
     # Through the public call (decode and head-major rows, one tensor and q+k, in
     # place): outputs 16, 32 and 48 bytes past a 64-byte line, where float32 rows
-    # start their vector steps on the line and cover the edges with a step each
+    # start their vector steps on the line and cover the edges with narrower steps
     # (vector._Stream.off_line), and 4 bytes past (part of an interleaved pair).
     from numba_rope._aligned import empty_on_line
 

@@ -3,6 +3,8 @@ bits as the element loop, and only where the stores' alignment holds."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from oracles import BFLOAT16, assert_bitwise_equal, float32_contract, make_case
@@ -134,6 +136,33 @@ def test_streamed_rows_in_the_parallel_kernels(rng, monkeypatch, stream_always, 
     # (element vectors) and bfloat16 (word vectors); float16 shares float32's path.
     monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 0)
     _check_streamed_rows(rng, stream_always, dtype, 96, 48, interleaved, in_place=False)
+    assert all(_streamed(stream_always))
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("dtype", STREAMED, ids=[d.name for d in STREAMED])
+def test_streamed_outputs_off_a_line_give_the_contract_bits(rng, stream_always, dtype, interleaved):
+    # NumPy's large arrays start 16 bytes past a 64-byte line: streamed float32 and
+    # float16 rows then start their loops on the line, with steps of 16 and 32 bytes
+    # over the edges (vector._Stream.off_line); bfloat16 words keep their steps.
+    # Rows of 64 and 88 pairs (176 channels: a float16 second half off its first
+    # half's line), and of 40 with channels past rotary_dim; one tensor and q+k.
+    for (head_size, rotary_dim), offset in itertools.product(
+        [(128, 128), (176, 176), (104, 80)], (16, 32, 48)
+    ):
+        shape = (2, 3, 5, head_size)
+        x, cos, sin, ids = make_case(rng, shape, dtype, rotary_dim=rotary_dim)
+        k = rng.standard_normal((2, 1, 5, head_size)).astype(dtype)
+        options = {"rotary_embedding_dim": rotary_dim, "interleaved": interleaved}
+        want = float32_contract(x, cos, sin, ids, interleaved, rotary_dim)
+        out = aligned(shape, dtype, offset)
+        numba_rope.rotary_embedding(x, cos, sin, ids, out=out, **options)
+        assert_bitwise_equal(out, want)
+        out_q, out_k = aligned(shape, dtype, offset), aligned(k.shape, dtype, offset)
+        numba_rope.rotary_embedding_qk(x, k, cos, sin, ids, out_q=out_q, out_k=out_k, **options)
+        assert_bitwise_equal(out_q, want)
+        assert_bitwise_equal(out_k, float32_contract(k, cos, sin, ids, interleaved, rotary_dim))
+    assert len(stream_always) == 18
     assert all(_streamed(stream_always))
 
 

@@ -198,14 +198,14 @@ class _Stream:
         mask = ir.Constant(ir.VectorType(_LANE, len(lanes)), lanes)
         return self.builder.shuffle_vector(first, second, mask)
 
-    def steps(self, start, length, body, scale=1):
+    def steps(self, start, length, body, scale=1, widths=VECTOR_WIDTHS):
         """Loops over ``[start, start + n)``, ``n`` = ``length`` rounded down to a
-        multiple of ``scale * 8``: ``body(index, lanes)`` for each step of
-        ``scale * lanes`` units, ``lanes`` from :data:`VECTOR_WIDTHS` widest first
-        (the narrower loops run at most once). Returns ``start + n``."""
+        multiple of ``scale * widths[-1]``: ``body(index, lanes)`` for each step of
+        ``scale * lanes`` units, ``lanes`` from ``widths`` widest first (the narrower
+        loops run at most once). Returns ``start + n``."""
         builder = self.builder
         done = start
-        for lanes in VECTOR_WIDTHS:
+        for lanes in widths:
             step = scale * lanes
             stop = builder.add(start, builder.and_(length, ir.Constant(self.intp, -step)))
             with cgutils.for_range_slice(
@@ -229,52 +229,60 @@ class _Stream:
             body(index, lanes)
         return stop
 
-    def off_line(self, out, half, pair_bytes, steps, compute, store):
+    def off_line(self, out, half, pair_bytes, steps, step):
         """``steps(start, length)`` (the vector loops over ``length`` pairs from
         ``start``, returning where they stop) over a row of ``half`` pairs whose
-        output starts off a 64-byte line, by whole pairs of ``pair_bytes`` bytes: from
-        the first pair on a line, with one widest step over the pairs from 0 and one
-        over the last ones, each computed (``compute(pair, lanes)``) before the loops
-        and stored (``store(pair, values, lanes)``) after them, over pairs the loops
-        store too, with the same values. Returns ``half``, or, for an output on a line
-        (or rows of fewer pairs than a step), ``steps(0, half)``.
+        output starts off a 64-byte line by a multiple of 16 bytes: from the first pair
+        on a line, with narrower steps (``step(pair, lanes)``, 16 or 32 bytes of
+        output each) over the pairs before it and over those the loops leave, none of
+        whose stores spans two lines. Returns the pairs done: ``half`` rounded down to
+        16 bytes of output; or, for an output on a line (or off it by other than 16
+        bytes, or rows shorter than a line or a step), ``steps(0, half)``.
 
-        A float32 row whose output starts off a line has each of its 64-byte stores
-        span two lines; NumPy's large arrays often start 16 bytes past one. Here two
-        steps a row span lines. One process, old and new code on the same outputs
-        (docs/performance.md, "Eighteenth session"): a decode step (64, 32, 1, 128)
-        16, 32 or 48 bytes off a line 0.60-0.83x the time (27.1-41.9 µs against
-        24.4 on a line), the seed (2, 8, 4, 512) 0.56-0.65x; on a line unchanged.
-        In place too: both edge steps read their pairs before the loops write any,
-        and every pair stored twice gets the same bits. float16 and bfloat16 rows,
-        bound by their conversions, did not change off a line (measured)."""
+        A row whose output starts off a line has each of its 64-byte stores span two
+        lines; NumPy's large arrays start 16 bytes past one. Float32 rows with
+        ordinary stores (a decode step): 0.60-0.83x the time with the loops started on
+        the line and one 64-byte step over each edge (docs/performance.md,
+        "Eighteenth session"); these narrower edge steps, which no store of a step
+        spans, 0.86-1.05x that again. Streaming rows (non-temporal stores, large
+        calls), float32 and float16, whose stores LLVM splits into aligned 16 bytes
+        but which still took 1.3-1.5x the time off a line: 0.75-0.92x (float32
+        prefill, batch prefill, prefill_3d) and 0.80-0.96x (float16), one process,
+        old and new code on the same outputs ("Nineteenth session"). Every step
+        reads its pairs before it stores them and no two steps share a pair: in
+        place too. Not for the bfloat16 words (:func:`_word_pairs_typing`: 1.0-1.1x
+        slower streaming, 1.2-1.5x in a decode step, which also loses the constant
+        row lengths of :func:`_by_half`) nor float16 rows with ordinary stores
+        (bound by F16C's conversions: 1.0-1.1x).
+        """
         builder = self.builder
-        lanes = VECTOR_WIDTHS[0]
         zero = ir.Constant(self.intp, 0)
         lead_bytes = builder.and_(
             builder.neg(builder.ptrtoint(out.data, self.intp)), ir.Constant(self.intp, 63)
         )
-        whole_pairs = builder.icmp_unsigned(
-            "==", builder.and_(lead_bytes, ir.Constant(self.intp, pair_bytes - 1)), zero
+        sixteens = builder.icmp_unsigned(
+            "==", builder.and_(lead_bytes, ir.Constant(self.intp, 15)), zero
         )
+        # A line's pairs at least (the pairs before the first line fit in the row).
+        shortest = max(VECTOR_WIDTHS[0], 64 // pair_bytes)
         off = builder.and_(
-            builder.and_(builder.icmp_unsigned("!=", lead_bytes, zero), whole_pairs),
-            builder.icmp_unsigned(">=", half, ir.Constant(self.intp, lanes)),
+            builder.and_(builder.icmp_unsigned("!=", lead_bytes, zero), sixteens),
+            builder.icmp_unsigned(">=", half, ir.Constant(self.intp, shortest)),
         )
+        # Steps of 32 and 16 bytes of output: within a line from an offset of 16.
+        narrow = tuple(lanes for lanes in (16, 8, 4, 2) if 16 <= lanes * pair_bytes <= 32)
         with builder.if_else(off, likely=False) as (off_line, on_line):
             with off_line:
-                last = builder.sub(half, ir.Constant(self.intp, lanes))
-                edges = [(pair, compute(pair, lanes)) for pair in (zero, last)]
                 lead = builder.udiv(lead_bytes, ir.Constant(self.intp, pair_bytes))
-                steps(lead, builder.sub(half, lead))
-                for pair, values in edges:
-                    store(pair, values, lanes)
+                self.steps(zero, lead, step, widths=narrow)
+                loops = steps(lead, builder.sub(half, lead))
+                edges = self.steps(loops, builder.sub(half, loops), step, widths=narrow)
                 off_block = builder.block
             with on_line:
                 done = steps(zero, half)
                 on_block = builder.block
         pairs = builder.phi(self.intp)
-        pairs.add_incoming(half, off_block)
+        pairs.add_incoming(edges, off_block)
         pairs.add_incoming(done, on_block)
         return pairs
 
@@ -322,8 +330,8 @@ def _stream_arguments(context, builder, signature, args):
 def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     """Typing of a :func:`vector_pairs` step: rotate the first ``n`` pairs of a row of
     ``half`` non-interleaved pairs, ``n`` = ``half`` rounded down to a multiple of
-    8 (all of them for float32 rows with ordinary stores whose output starts off a
-    64-byte line: :meth:`_Stream.off_line`), and return ``n``; steps of
+    8 (to 16 bytes of output for float32 rows, and streaming ones, whose output
+    starts off a 64-byte line: :meth:`_Stream.off_line`), and return ``n``; steps of
     :data:`VECTOR_WIDTHS` pairs. float16 rows go two
     of the widest steps at a time first, each half of the row narrowed for both steps
     and stored as one vector (:meth:`_Stream.store_joined`): F16C's conversion bounds
@@ -390,8 +398,8 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
                 length = builder.sub(half, start)
             return stream.steps(start, length, step)
 
-        if off_line and x_type == types.float32 and not nontemporal:
-            return stream.off_line(out, half, 4, steps, rotated, put)
+        if off_line and (x_type == types.float32 or nontemporal):
+            return stream.off_line(out, half, x_type.bitwidth // 8, steps, step)
         return steps(ir.Constant(stream.intp, 0), half)
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
@@ -414,7 +422,8 @@ def _interleaved(pairs):
 def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     """:func:`_stream_pairs` for interleaved pairs (with non-temporal stores the output
     row must start on :data:`STREAM_ALIGNMENT` bytes; ordinary stores take any element
-    offset; float32 rows off a 64-byte line as in :meth:`_Stream.off_line`): the pairs
+    offset; float32 and streaming rows off a 64-byte line as in
+    :meth:`_Stream.off_line`): the pairs
     of a step are loaded as one vector, split into firsts and seconds, and merged back
     after the rotation.
 
@@ -474,10 +483,8 @@ def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, hal
             start = stream.double_steps(start, length, two_steps)
             return stream.steps(start, builder.sub(half, start), step)
 
-        if off_line and x_type == types.float32 and not nontemporal:
-            return stream.off_line(
-                out, half, 8, steps, lambda pair, lanes: rotated(*load(pair, lanes), lanes), put
-            )
+        if off_line and (x_type == types.float32 or nontemporal):
+            return stream.off_line(out, half, x_type.bitwidth // 4, steps, step)
         return steps(ir.Constant(stream.intp, 0), half)
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
@@ -588,8 +595,8 @@ def _by_half(builder, half, emit, on_line=None):
     returns the pairs done. With ``on_line`` (a flag: the output starts on a 64-byte
     line) the constant lengths take only rows on a line, and their code leaves out
     :meth:`_Stream.off_line`'s second path: rows off a line take the code for any
-    length, which has it (the float32 element steps emitted four times, not six:
-    the suite's compile time).
+    length, which has it (the float32 and streaming element steps emitted four
+    times, not six: the suite's compile time).
     With the length known LLVM unrolls the steps and drops their loop bounds, tail
     tests and the spills of a loop over an unknown length: a cost paid once per row,
     2,048 rows a decode step of (64, 32, 1, 128). The serial decode kernel called from
@@ -657,9 +664,9 @@ def vector_pairs(
             return None
         inner_signature, inner_codegen = typed
 
-        # float32 element steps with ordinary stores: rows off a line take the
-        # code for any length (see _by_half).
-        lines_matter = not options[1] and not options[2] and x_row.dtype == types.float32
+        # Element steps of float32, or streaming: rows off a 64-byte line take the code
+        # for any length (see _by_half and _Stream.off_line).
+        lines_matter = not options[1] and (x_row.dtype == types.float32 or options[2])
 
         def codegen(context, builder, signature, args):
             on_line = None
