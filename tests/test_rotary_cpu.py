@@ -579,11 +579,11 @@ def test_vector_steps_of_rows_of_every_length(rng, dtype, words, interleaved, st
     # of CONSTANT_HALVES and once for any length (see vector._by_half): every length,
     # those and their neighbours, rotates the same pairs (half rounded down to 8
     # pairs, to 16 for bfloat16 halves taken two per word) with the contract's bits,
-    # and leaves the rest to the element loops untouched. float32 rows with ordinary
-    # stores whose output starts off a 64-byte line by 16 to 48 bytes, of a step's 16
-    # pairs or more, are done from the first pair on a line, with steps of 16 and 32
-    # bytes over the edges (see _Stream.off_line): all but the pairs past the last
-    # 16 bytes, in place too. Outputs on a line and off it by 16 to 48 bytes, and by
+    # and leaves the rest to the element loops untouched. float32 rows, and streaming
+    # float16 rows, whose output starts off a 64-byte line by 16 to 48 bytes, of a
+    # line's pairs and a step's or more, are done from the first pair on a line, with
+    # steps of 16 and 32 bytes over the edges (see _Stream.off_line): all but the
+    # pairs past the last 16 bytes, in place too. Outputs on a line and off it by 16 to 48 bytes, and by
     # 4 (part of an interleaved pair: as on a line); streaming stores need the output
     # and its second half on 16 bytes: halves of 8 pairs there.
     from numba_rope._aligned import empty_on_line

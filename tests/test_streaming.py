@@ -144,11 +144,12 @@ def test_streamed_rows_in_the_parallel_kernels(rng, monkeypatch, stream_always, 
 def test_streamed_outputs_off_a_line_give_the_contract_bits(rng, stream_always, dtype, interleaved):
     # NumPy's large arrays start 16 bytes past a 64-byte line: streamed float32 and
     # float16 rows then start their loops on the line, with steps of 16 and 32 bytes
-    # over the edges (vector._Stream.off_line); bfloat16 words keep their steps.
-    # Rows of 64 and 88 pairs (176 channels: a float16 second half off its first
-    # half's line), and of 40 with channels past rotary_dim; one tensor and q+k.
+    # over the edges (vector._Stream.off_line); bfloat16 words, and the copy of the
+    # channels past rotary_dim, keep their steps. Rows of 64 and 88 pairs (176
+    # channels: a 16-bit second half off its first half's line), of 40 and 32 with
+    # channels past rotary_dim (24 and 64 of them); one tensor and q+k.
     for (head_size, rotary_dim), offset in itertools.product(
-        [(128, 128), (176, 176), (104, 80)], (16, 32, 48)
+        [(128, 128), (176, 176), (104, 80), (128, 64)], (16, 32, 48)
     ):
         shape = (2, 3, 5, head_size)
         x, cos, sin, ids = make_case(rng, shape, dtype, rotary_dim=rotary_dim)
@@ -162,7 +163,7 @@ def test_streamed_outputs_off_a_line_give_the_contract_bits(rng, stream_always, 
         numba_rope.rotary_embedding_qk(x, k, cos, sin, ids, out_q=out_q, out_k=out_k, **options)
         assert_bitwise_equal(out_q, want)
         assert_bitwise_equal(out_k, float32_contract(k, cos, sin, ids, interleaved, rotary_dim))
-    assert len(stream_always) == 18
+    assert len(stream_always) == 24
     assert all(_streamed(stream_always))
 
 
