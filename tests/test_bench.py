@@ -416,6 +416,7 @@ def test_bench_quick_writes_json_with_every_field(quick_report):
             "numba_rope",
             "numba_rope (allocating)",
             "numba_rope (in place)",
+            "numba_rope (out= 16 B past a line)",
             "numpy (spec formula, complex64)",
         ):
             row = rows[(dtype, name)]
@@ -699,3 +700,23 @@ def test_bench_single_calls_with_a_busy_core(monkeypatch, tmp_path, capsys, quic
     assert batched["settings"]["single_calls"] is False and batched["settings"]["busy"] is False
     copy = next(r for r in batched["results"] if r["implementation"] == "np.copyto (1 thread)")
     assert copy["calls_per_sample"] > 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_off_line_row_writes_where_numpy_puts_large_arrays(dtype):
+    # The row's output starts NUMPY_PLACEMENT (16) bytes past a 64-byte line, the
+    # `numba_rope` row's on one; both hold the contract's bits after a call.
+    from oracles import assert_bitwise_equal, float32_contract
+
+    from numba_rope.bench import peers
+    from numba_rope.bench.targets import target
+
+    case = bench.make_case("seed", dtype)
+    want = float32_contract(case.input, case.cos_cache, case.sin_cache, case.position_ids,
+                            **case.options)  # fmt: skip
+    for make, offset in ((peers._numba_rope_out_off_line, 16), (peers._numba_rope_out, 0)):
+        prepared = make(case, target("cpu"), 2)
+        prepared.call()
+        out = prepared.output()
+        assert out.ctypes.data % 64 == offset
+        assert_bitwise_equal(out, want)

@@ -179,6 +179,30 @@ def _numba_rope_out(case: Case, tgt: Any, threads: int) -> Prepared:
     return Prepared(call, lambda: tgt.to_host(out))
 
 
+#: Where NumPy's allocator puts a large array: 16 bytes past a 64-byte line (glibc's
+#: chunk header before a fresh mapping's first page).
+NUMPY_PLACEMENT = 16
+
+
+def _numba_rope_out_off_line(case: Case, tgt: Any, threads: int) -> Prepared:
+    """``out=`` into an output :data:`NUMPY_PLACEMENT` bytes past a 64-byte line, where
+    a large ``np.empty_like`` usually lands; the ``numba_rope`` row's output starts on
+    a line, as torch's tensors do. Every vector store of a row then spans two lines
+    unless the kernel starts its loops on a line: float32 and float16 rows do, yet
+    stay 1.1-1.3x slower in large calls (``docs/performance.md``, "Nineteenth
+    session")."""
+    x, cos, sin, ids = _device_arguments(case, tgt)
+    buffer = empty_on_line((x.nbytes + 64,), np.uint8)
+    out = buffer[NUMPY_PLACEMENT : NUMPY_PLACEMENT + x.nbytes].view(x.dtype).reshape(x.shape)
+    options = case.options
+
+    def call():
+        numba_rope.rotary_embedding(x, cos, sin, ids, out=out, **options)
+
+    _first_call(call, tgt)
+    return Prepared(call, lambda: out)
+
+
 def _numba_rope_alloc(case: Case, tgt: Any, threads: int) -> Prepared:
     x, cos, sin, ids = _device_arguments(case, tgt)
     options = case.options
@@ -371,6 +395,8 @@ def _torch(case: Case, tgt: Any, threads: int) -> Prepared:
 #: The row of ``x.copy()``: a copy into fresh memory, not a floor (the ratios divide by
 #: the faster preallocated copy), the yardstick of allocating calls.
 ALLOCATING_COPY = "x.copy() (allocating, 1 thread)"
+#: ``out=`` where NumPy puts its output (see :func:`_numba_rope_out_off_line`).
+OFF_LINE = f"numba_rope (out= {NUMPY_PLACEMENT} B past a line)"
 
 
 def implementations(device: str, threads: int) -> list[Implementation]:
@@ -385,6 +411,8 @@ def implementations(device: str, threads: int) -> list[Implementation]:
         Implementation("numba_rope (allocating)", "rope", _numba_rope_alloc),
         Implementation("numba_rope (in place)", "rope", _numba_rope_in_place),
     ]
+    if device == "cpu":
+        found.append(Implementation(OFF_LINE, "rope", _numba_rope_out_off_line))
     if device == "cpu":
         found += [
             Implementation("numpy (spec formula, complex64)", "rope", _numpy_spec),
