@@ -412,9 +412,8 @@ def implementations(device: str, threads: int) -> list[Implementation]:
         Implementation("numba_rope (in place)", "rope", _numba_rope_in_place),
     ]
     if device == "cpu":
-        found.append(Implementation(OFF_LINE, "rope", _numba_rope_out_off_line))
-    if device == "cpu":
         found += [
+            Implementation(OFF_LINE, "rope", _numba_rope_out_off_line),
             Implementation("numpy (spec formula, complex64)", "rope", _numpy_spec),
             Implementation("onnxruntime", "rope", _onnxruntime),
             Implementation("onnxruntime run()", "rope", _onnxruntime_run),
