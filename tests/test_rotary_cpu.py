@@ -583,9 +583,9 @@ def test_vector_steps_of_rows_of_every_length(rng, dtype, words, interleaved, st
     # float16 rows, whose output starts off a 64-byte line by 16 to 48 bytes, of a
     # line's pairs and a step's or more, are done from the first pair on a line, with
     # steps of 16 and 32 bytes over the edges (see _Stream.off_line): all but the
-    # pairs past the last 16 bytes, in place too. Outputs on a line and off it by 16 to 48 bytes, and by
-    # 4 (part of an interleaved pair: as on a line); streaming stores need the output
-    # and its second half on 16 bytes: halves of 8 pairs there.
+    # pairs past the last 16 bytes, in place too. Outputs on a line and off it by 16
+    # to 48 bytes, and by 4 (part of an interleaved pair: as on a line); streaming
+    # stores need the output and its second half on 16 bytes: halves of 8 pairs there.
     from numba_rope._aligned import empty_on_line
     from numba_rope._cpu.backend import storage_dtype
     from numba_rope._cpu.vector import CONSTANT_HALVES

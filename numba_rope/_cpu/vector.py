@@ -359,7 +359,7 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     if not _stream_typing(x_row, cos_row, sin_row, out_row):
         return None
 
-    def codegen(context, builder, signature, args, off_line=True):
+    def codegen(context, builder, signature, args, off_line=False):
         (x, cos, sin, out), x_type, cache_type, half, sign = _stream_arguments(
             context, builder, signature, args
         )
@@ -398,7 +398,7 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
                 length = builder.sub(half, start)
             return stream.steps(start, length, step)
 
-        if off_line and (x_type == types.float32 or nontemporal):
+        if off_line:
             return stream.off_line(out, half, x_type.bitwidth // 8, steps, step)
         return steps(ir.Constant(stream.intp, 0), half)
 
@@ -438,7 +438,7 @@ def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, hal
     if not _stream_typing(x_row, cos_row, sin_row, out_row):
         return None
 
-    def codegen(context, builder, signature, args, off_line=True):
+    def codegen(context, builder, signature, args, off_line=False):
         (x, cos, sin, out), x_type, cache_type, half, sign = _stream_arguments(
             context, builder, signature, args
         )
@@ -483,7 +483,7 @@ def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, hal
             start = stream.double_steps(start, length, two_steps)
             return stream.steps(start, builder.sub(half, start), step)
 
-        if off_line and (x_type == types.float32 or nontemporal):
+        if off_line:
             return stream.off_line(out, half, x_type.bitwidth // 4, steps, step)
         return steps(ir.Constant(stream.intp, 0), half)
 
@@ -501,7 +501,7 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
     if not _word_typing(x_row, cos_row, sin_row, out_row):
         return None
 
-    def codegen(context, builder, signature, args, off_line=True):
+    def codegen(context, builder, signature, args):
         (x, cos, sin, out), _, cache_type, half, sign = _stream_arguments(
             context, builder, signature, args
         )
@@ -548,7 +548,7 @@ def _word_interleaved_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row
     if not _word_typing(x_row, cos_row, sin_row, out_row):
         return None
 
-    def codegen(context, builder, signature, args, off_line=True):
+    def codegen(context, builder, signature, args):
         (x, cos, sin, out), _, cache_type, half, sign = _stream_arguments(
             context, builder, signature, args
         )
@@ -664,8 +664,10 @@ def vector_pairs(
             return None
         inner_signature, inner_codegen = typed
 
-        # Element steps of float32, or streaming: rows off a 64-byte line take the code
-        # for any length (see _by_half and _Stream.off_line).
+        # Element steps of float32, or streaming ones, whose output starts off a 64-byte
+        # line start their loops on the line (_Stream.off_line, in the code for any
+        # length: see _by_half); word steps, and float16 ones with ordinary stores,
+        # were not faster so (measured). The one place that decides it.
         lines_matter = not options[1] and (x_row.dtype == types.float32 or options[2])
 
         def codegen(context, builder, signature, args):
@@ -678,18 +680,16 @@ def vector_pairs(
                     builder.and_(address, ir.Constant(ir.IntType(64), 63)),
                     ir.Constant(ir.IntType(64), 0),
                 )
-            return _by_half(
-                builder,
-                args[4],
-                lambda half, constant: inner_codegen(
-                    context,
-                    builder,
-                    inner_signature,
-                    [*args[:4], half, args[5]],
-                    off_line=not (constant and lines_matter),
-                ),
-                on_line,
-            )
+
+            def emit(half, constant):
+                arguments = [*args[:4], half, args[5]]
+                if not lines_matter:
+                    return inner_codegen(context, builder, inner_signature, arguments)
+                return inner_codegen(
+                    context, builder, inner_signature, arguments, off_line=not constant
+                )
+
+            return _by_half(builder, args[4], emit, on_line)
 
     return types.intp(*rows, interleaved, words, streaming), codegen
 
