@@ -16,20 +16,30 @@ import numpy as np
 
 
 def empty_on_line(
-    shape: tuple[int, ...], dtype: np.typing.DTypeLike, boundary: int = 64
+    shape: tuple[int, ...], dtype: np.typing.DTypeLike, boundary: int = 64, offset: int = 0
 ) -> np.ndarray:
     """An uninitialized C-contiguous array of ``shape`` and ``dtype`` whose data start
-    on a multiple of ``boundary`` bytes: a view of a NumPy byte array ``boundary``
-    bytes longer (its ``base``, which the view keeps alive).
+    ``offset`` bytes (``0 <= offset < boundary``) past a multiple of ``boundary``
+    bytes: a view of a NumPy byte array ``boundary`` bytes longer (its ``base``, which
+    the view keeps alive). An ``offset`` places an array where NumPy's allocator
+    might (16 bytes past a line is usual), to measure or test that placement.
 
     >>> a = empty_on_line((3, 5), np.float32)
     >>> a.shape, a.dtype, a.flags.c_contiguous, a.__array_interface__["data"][0] % 64
     ((3, 5), dtype('float32'), True, 0)
     >>> empty_on_line((4,), np.float16, boundary=4096).__array_interface__["data"][0] % 4096
     0
+    >>> empty_on_line((7,), np.float32, offset=16).__array_interface__["data"][0] % 64
+    16
+    >>> empty_on_line((7,), np.float32, offset=64)
+    Traceback (most recent call last):
+    ...
+    ValueError: offset must lie in [0, boundary) = [0, 64), got 64
     """
+    if not 0 <= offset < boundary:
+        raise ValueError(f"offset must lie in [0, boundary) = [0, {boundary}), got {offset}")
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + boundary, np.uint8)
-    start = -raw.__array_interface__["data"][0] % boundary
+    start = (offset - raw.__array_interface__["data"][0]) % boundary
     return raw[start : start + nbytes].view(dtype).reshape(shape)

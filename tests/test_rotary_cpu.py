@@ -643,8 +643,7 @@ def test_vector_steps_of_rows_of_every_length(rng, dtype, words, interleaved, st
         x = rng.standard_normal(2 * half).astype(dtype)
         _, cos, sin, _ = make_case(rng, (1, 1, 1, 2 * half), dtype, position_ids=False)
         want = float32_contract(x[None, None, None], cos, sin, None, interleaved)[0, 0, 0]
-        buffer = empty_on_line((2 * half * itemsize + 64,), np.uint8)
-        out = buffer[offset : offset + 2 * half * itemsize].view(dtype)
+        out = empty_on_line((2 * half,), dtype, offset=offset)
         out[:] = x if in_place else 0
         source = out if in_place else x
         done = steps(view(source), view(cos[0, 0]), view(sin[0, 0]), view(out), half)
@@ -681,8 +680,7 @@ def test_float32_outputs_off_a_line_give_the_contract_bits(rng, shape, interleav
     want_k = float32_contract(k, cos, sin, ids, interleaved)
 
     def placed(like, offset):
-        buffer = empty_on_line((like.nbytes + 64,), np.uint8)
-        return buffer[offset : offset + like.nbytes].view(like.dtype).reshape(like.shape)
+        return empty_on_line(like.shape, like.dtype, offset=offset)
 
     for offset in (16, 32, 48, 4):
         out, out_k = placed(x, offset), placed(k, offset)

@@ -11,6 +11,7 @@ from oracles import BFLOAT16, assert_bitwise_equal, float32_contract, make_case
 
 import numba_rope
 from numba_rope import config
+from numba_rope._aligned import empty_on_line
 from numba_rope._cpu import backend as cpu_backend
 from numba_rope._cpu import vector as cpu_vector
 
@@ -45,11 +46,20 @@ def rows(test):
 
 def aligned(shape, dtype, offset=0):
     """An empty array whose data starts ``offset`` bytes past a 64-byte boundary."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    buffer = np.empty(nbytes + 128 + offset, np.uint8)
-    start = -buffer.ctypes.data % 64 + offset
-    return buffer[start : start + nbytes].view(dtype).reshape(shape)
+    return empty_on_line(tuple(shape), dtype, offset=offset)
+
+
+def test_empty_on_line_places_data_at_any_offset_past_a_line():
+    # Every offset in [0, boundary), sizes of one byte to many lines, wherever NumPy's
+    # allocator put the buffer: the data start there and end inside the buffer.
+    for boundary in (64, 4096):
+        for offset in sorted({0, 1, 4, 16, 48, 63, boundary - 1}):
+            for n in (1, 7, 64, 1000, 4097):
+                a = empty_on_line((n,), np.uint8, boundary=boundary, offset=offset)
+                assert a.shape == (n,) and a.ctypes.data % boundary == offset
+                assert a.ctypes.data + n <= a.base.ctypes.data + a.base.nbytes
+    with pytest.raises(ValueError, match=r"\[0, 64\), got -1"):
+        empty_on_line((4,), np.float32, offset=-1)
 
 
 @pytest.fixture

@@ -192,8 +192,7 @@ def _numba_rope_out_off_line(case: Case, tgt: Any, threads: int) -> Prepared:
     stay 1.1-1.3x slower in large calls (``docs/performance.md``, "Nineteenth
     session")."""
     x, cos, sin, ids = _device_arguments(case, tgt)
-    buffer = empty_on_line((x.nbytes + 64,), np.uint8)
-    out = buffer[NUMPY_PLACEMENT : NUMPY_PLACEMENT + x.nbytes].view(x.dtype).reshape(x.shape)
+    out = empty_on_line(x.shape, x.dtype, offset=NUMPY_PLACEMENT)
     options = case.options
 
     def call():
