@@ -8,7 +8,8 @@ results are narrowed with AVX512_BF16's instruction on the targets that have it 
 sapphirerapids) only, not on an Emerald Rapids whose hypervisor hides it and
 AVX512-FP16, whose instructions appear on no target without it; and the streaming
 vector steps store every result non-temporally (sapphirerapids, whose AVX512-FP16
-changes how LLVM handles float16 vectors, included)."""
+changes how LLVM handles float16 vectors, included); float32 kernels with ordinary
+stores prefetch the rows ahead, 16-bit ones do not."""
 
 from __future__ import annotations
 

@@ -761,10 +761,10 @@ def widen_word_halves(typingctx, source, wide, length):
 @intrinsic
 def prefetch_span(typingctx, array, byte_offset, nbytes, for_writing):
     """Prefetch the cache lines of ``nbytes`` bytes of ``array`` from ``byte_offset``
-    on, for writing (``prefetchw``) if ``for_writing`` (a constant) is True, else for
-    reading (``llvm.prefetch``: a hint, which never faults, so the span may lie past
-    the array's end). Addresses are computed as integers: no ``inbounds`` pointer
-    arithmetic past the array."""
+    on: for writing (``prefetchw`` where the CPU has it) if ``for_writing``, a
+    constant, is True, else for reading. ``llvm.prefetch`` is a hint, which never
+    faults, so the span may lie past the array's end. Addresses are computed as
+    integers: no ``inbounds`` pointer arithmetic past the array."""
     if not isinstance(array, types.Array):
         return None
     if not isinstance(for_writing, types.BooleanLiteral):
