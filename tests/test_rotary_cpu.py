@@ -412,20 +412,20 @@ def test_in_place_rows_off_lines_with_channels_past_rotary_dim(rng, dtype):
         assert_bitwise_equal(work[..., 64:], x[..., 64:])
 
 
-@pytest.mark.parametrize("run", ["serial", "helper", "parallel"])
-def test_large_float32_calls_into_another_array_prefetch_with_the_contract_bits(
-    rng, monkeypatch, run
-):
+def test_large_float32_calls_into_another_array_prefetch_with_the_contract_bits(rng, monkeypatch):
     # float32 inputs of more than AHEAD_MIN_BYTES rotated into another array prefetch
     # the rows AHEAD_ROWS ahead, up to rows past the end of both arrays (a hint): a
     # decode step and bshd rows (token by token: heads ahead), bhsd rows (head by
     # head: tokens ahead), every channel rotated or some copied, one tensor and q+k.
+    # Shared with the helper, as a decode step is: the serial and parallel kernels
+    # run the same row loops (test_targets finds the prefetches in serial kernels and
+    # in the helper's runner).
     from numba_rope import config
     from numba_rope._cpu import backend as cpu_backend
     from numba_rope._cpu.kernels import AHEAD_MIN_BYTES
 
-    monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 0 if run == "parallel" else 1 << 40)
-    monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", 0 if run == "helper" else 1 << 40)
+    monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 1 << 40)
+    monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", 0)
     cpu_backend.PLANS.clear()
     for shape, layout, rotary_dim in (
         ((33, 32, 1, 128), "bhsd", 0),
