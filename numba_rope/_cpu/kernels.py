@@ -254,8 +254,9 @@ def _prefetches_ahead(x, out, streaming):  # pragma: no cover - see overload
 def _prefetches_ahead_overload(x, out, streaming):
     # Decided when compiling for the dtype (16-bit kernels carry none of this code
     # once LLVM has inlined the constant). Neither this nor _prefetch_rows_ahead is
-    # inlined by numba (LLVM inlines both): numba's inlining of them cost 3-7% more
-    # compile time of the float32 kernels.
+    # inlined by numba (LLVM inlines both): with numba inlining them, float32 and
+    # float16 kernels took 7-11% more compile time than before the prefetch, without
+    # 4-7% (docs/performance.md, "Twentieth session").
     if x.dtype != types.float32:
         return lambda x, out, streaming: False
 
@@ -270,8 +271,8 @@ def _prefetches_ahead_overload(x, out, streaming):
 def _prefetch_rows_ahead(x, x_offset, out, out_offset, axis):
     """Prefetch the input row (for reading) and the output row (for writing)
     :data:`AHEAD_ROWS` steps of ``axis`` (1: heads, 2: tokens) past the rows at these
-    byte offsets, the next rows the loop rotates (a hint: rows past the end cost
-    nothing)."""
+    byte offsets, the next rows the loop rotates (a hint, which never faults: rows
+    past the end of the arrays are fine)."""
     row_bytes = x.shape[3] * x.itemsize
     prefetch_span(x, x_offset + AHEAD_ROWS * x.strides[axis], row_bytes, False)
     prefetch_span(out, out_offset + AHEAD_ROWS * out.strides[axis], row_bytes, True)
