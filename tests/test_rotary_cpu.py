@@ -412,49 +412,12 @@ def test_in_place_rows_off_lines_with_channels_past_rotary_dim(rng, dtype):
         assert_bitwise_equal(work[..., 64:], x[..., 64:])
 
 
-def test_large_float32_calls_into_another_array_prefetch_with_the_contract_bits(rng, monkeypatch):
-    # float32 inputs of more than AHEAD_MIN_BYTES rotated into another array prefetch
-    # the rows AHEAD_ROWS ahead, up to rows past the end of both arrays (a hint): a
-    # decode step and bshd rows (token by token: heads ahead), bhsd rows (head by
-    # head: tokens ahead), every channel rotated or some copied, one tensor and q+k.
-    # Shared with the helper, as a decode step is: the serial and parallel kernels
-    # run the same row loops (test_targets finds the prefetches in serial kernels and
-    # in the helper's runner).
-    from numba_rope import config
-    from numba_rope._cpu import backend as cpu_backend
-    from numba_rope._cpu.kernels import AHEAD_MIN_BYTES
-
-    monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 1 << 40)
-    monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", 0)
-    cpu_backend.PLANS.clear()
-    for shape, layout, rotary_dim in (
-        ((33, 32, 1, 128), "bhsd", 0),
-        ((1, 5, 280, 96), "bshd", 64),
-        ((1, 5, 280, 96), "bhsd", 0),
-    ):
-        x, cos, sin, ids = make_case(rng, shape, np.float32, rotary_dim=rotary_dim)
-        k = x[:, :2].copy()
-        assert x.nbytes > AHEAD_MIN_BYTES
-        form = (lambda a: a.transpose(0, 2, 1, 3)) if layout == "bshd" else (lambda a: a)
-        given, given_k = np.ascontiguousarray(form(x)), np.ascontiguousarray(form(k))
-        out, out_k = np.empty_like(given), np.empty_like(given_k)
-        options = {"rotary_embedding_dim": rotary_dim, "layout": layout}
-        numba_rope.rotary_embedding(given, cos, sin, ids, out=out, **options)
-        assert_bitwise_equal(form(out), float32_contract(x, cos, sin, ids, False, rotary_dim))
-        numba_rope.rotary_embedding_qk(
-            given, given_k, cos, sin, ids, out_q=out, out_k=out_k, **options
-        )
-        assert_bitwise_equal(form(out), float32_contract(x, cos, sin, ids, False, rotary_dim))
-        assert_bitwise_equal(form(out_k), float32_contract(k, cos, sin, ids, False, rotary_dim))
-
-
 def test_a_prefetch_is_a_hint_that_never_faults():
     from numba_rope._cpu.vector import prefetch_span
 
     @numba.njit
     def touch(a, offset, nbytes):
-        prefetch_span(a, offset, nbytes, True)  # for writing
-        prefetch_span(a, offset, nbytes, False)  # for reading
+        prefetch_span(a, offset, nbytes)
         return a[0]
 
     a = np.arange(4, dtype=np.float32)

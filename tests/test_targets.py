@@ -8,8 +8,7 @@ results are narrowed with AVX512_BF16's instruction on the targets that have it 
 sapphirerapids) only, not on an Emerald Rapids whose hypervisor hides it and
 AVX512-FP16, whose instructions appear on no target without it; and the streaming
 vector steps store every result non-temporally (sapphirerapids, whose AVX512-FP16
-changes how LLVM handles float16 vectors, included); float32 kernels with ordinary
-stores prefetch the rows ahead, 16-bit ones do not."""
+changes how LLVM handles float16 vectors, included)."""
 
 from __future__ import annotations
 
@@ -53,8 +52,6 @@ def counts(asm):  # the instructions the assertions below look for, in one kerne
         "vpermt2w": asm.count("vpermt2w"), "vpternlogd": asm.count("vpternlogd"),
         "vptestmd": len(re.findall(r"\bvptestn?md\b", asm)),
         "fp16": len(FP16.findall(asm)),
-        "prefetch for reading": len(re.findall(r"\bprefetcht0\b", asm)),
-        "prefetch for writing": len(re.findall(r"\bprefetchw\b", asm)),
     }
 
 variants = [(d, w, streaming, False) for d, w in (("float32", False), ("float16", False),
@@ -188,18 +185,3 @@ def test_kernels_compiled_for_other_x86_cpus_contain_no_fma(tmp_path, cpu):
             assert counts["vptestmd"] > 0, f"{cpu} {variant}: no vptestmd"
         if cpu not in AVX512_FP16:
             assert counts["fp16"] == 0, f"{cpu} {variant}: AVX512-FP16 instructions"
-        # float32 rows rotated into another array with ordinary stores prefetch the
-        # rows ahead (kernels._prefetches_ahead): input rows for reading, output rows
-        # for writing (prefetchw where the target has it: every target here but
-        # haswell, where LLVM makes both prefetcht0). The token-major kernels have no
-        # other prefetch, and 16-bit ones none at all; the head-major kernels' in-place
-        # prefetch (PREFETCH_ROWS) is for writing only.
-        ahead = variant.startswith("float32") and not variant.endswith("steps")
-        ahead = ahead and "streaming" not in variant
-        prefetches = counts["prefetch for reading"] + counts["prefetch for writing"]
-        if ahead:
-            assert counts["prefetch for reading"] > 0, f"{cpu} {variant}: no prefetch"
-            if cpu != "haswell":
-                assert counts["prefetch for writing"] > 0, f"{cpu} {variant}: no prefetchw"
-        elif "token-major" in variant:
-            assert prefetches == 0, f"{cpu} {variant}: {prefetches} prefetches"

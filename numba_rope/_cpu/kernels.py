@@ -50,15 +50,8 @@ from numba_rope._rotation import rotate_pair
 #: time, interleaved or not, over two one-process A/B runs of 31 alternating calls;
 #: rows on a line boundary and (4, 16, 2048, 128) within 0.9-1.06 (the noise). Out of
 #: place every channel is read and written, and the same prefetch made it 1.15-1.31x
-#: slower: in place only (float32 rows rotated into another array prefetch rows of
-#: their own: see :func:`_prefetches_ahead`).
+#: slower: in place only.
 PREFETCH_ROWS = 16
-
-#: How many rows ahead float32 rows rotated into another array prefetch their input
-#: (for reading) and output (for writing) rows, and the least input of such calls
-#: (bytes) that does: see :func:`_prefetches_ahead`.
-AHEAD_ROWS = 2
-AHEAD_MIN_BYTES = 512 << 10
 
 #: Kernel return codes besides the index of a bad position id or offset (>= 0).
 DONE = -1
@@ -199,8 +192,7 @@ def _contiguous_units(
     once per unit ran float32 decode 8-13% slower (A/B of the kernel alone).
     ``scratch`` is taken for the signature of :func:`_token_units` and not used.
     In place (``out`` is ``x``), rows with channels past ``rotary_dim`` that start off
-    a 64-byte line prefetch the row :data:`PREFETCH_ROWS` ahead; large float32 calls
-    into another array, the rows :data:`AHEAD_ROWS` ahead (:func:`_prefetches_ahead`)."""
+    a 64-byte line prefetch the row :data:`PREFETCH_ROWS` ahead."""
     head_size = x.shape[3]
     half = rotary_dim // 2
     # In place, rows with channels past rotary_dim (which are not written) that start
@@ -208,7 +200,6 @@ def _contiguous_units(
     address = x.ctypes.data
     in_place_gap = rotary_dim < head_size and address == out.ctypes.data
     rotary_bytes = rotary_dim * x.itemsize
-    ahead = _prefetches_ahead(x, out, streaming)
     for unit in range(first, end):
         b, s0, s1, h0, h1 = _unit_bounds(unit, x.shape[2], x.shape[1], tile, n_groups)
         for h in range(h0, h1):
@@ -216,9 +207,7 @@ def _contiguous_units(
                 x_offset = b * x.strides[0] + h * x.strides[1] + s * x.strides[2]
                 out_offset = b * out.strides[0] + h * out.strides[1] + s * out.strides[2]
                 if in_place_gap and (address + x_offset) & 63 and s + PREFETCH_ROWS < s1:
-                    prefetch_span(x, x_offset + PREFETCH_ROWS * x.strides[2], rotary_bytes, True)
-                elif ahead:
-                    _prefetch_rows_ahead(x, x_offset, out, out_offset, 2)
+                    prefetch_span(x, x_offset + PREFETCH_ROWS * x.strides[2], rotary_bytes)
                 rotate_row(
                     row(x, x_offset, head_size),
                     row(cos, _cache_row_offset(cos, positions, b, s), half),
@@ -230,52 +219,6 @@ def _contiguous_units(
                     words,
                     streaming,
                 )
-
-
-def _prefetches_ahead(x, out, streaming):  # pragma: no cover - see overload
-    """Whether the row loops prefetch rows :data:`AHEAD_ROWS` ahead
-    (:func:`_prefetch_rows_ahead`): float32 rows rotated into another array with
-    ordinary stores, the input more than :data:`AHEAD_MIN_BYTES`.
-
-    Such a call's stores each wait for their line to be read for ownership, and the
-    hardware's prefetchers do not fetch output lines early enough: a float32 decode
-    step (64, 32, 1, 128) on one thread (input and output 2 MiB, this VM's L2) took
-    68-72 us against 40 for ``np.copyto`` and 28 in place. Prefetching the output row
-    two rows ahead for writing and the input row for reading: 0.73-0.86x the time on
-    one thread and with the other core busy, (128, 32, 1, 128) 0.72x on two threads,
-    head-major (1, 32, 512, 128) 0.81-0.94x (one-process A/B). Not for 16-bit rows,
-    bound by their conversions (float16 decode 1.02-1.05x, bfloat16 1.06-1.13x with
-    it, none faster from 1 to 4 MiB), nor for inputs that stay in L2 (512 KiB and less:
-    0.99-1.05x), nor for non-temporal stores, which read no line."""
-    raise NotImplementedError
-
-
-@overload(_prefetches_ahead)
-def _prefetches_ahead_overload(x, out, streaming):
-    # Decided when compiling for the dtype (16-bit kernels carry none of this code
-    # once LLVM has inlined the constant). Neither this nor _prefetch_rows_ahead is
-    # inlined by numba (LLVM inlines both): with numba inlining them, float32 and
-    # float16 kernels took 7-11% more compile time than before the prefetch, without
-    # 4-7% (docs/performance.md, "Twentieth session").
-    if x.dtype != types.float32:
-        return lambda x, out, streaming: False
-
-    def impl(x, out, streaming):  # no short circuits: numba inlines them badly
-        into_another = x.ctypes.data != out.ctypes.data
-        return (not streaming) & into_another & (x.nbytes > AHEAD_MIN_BYTES)
-
-    return impl
-
-
-@cached_njit()
-def _prefetch_rows_ahead(x, x_offset, out, out_offset, axis):
-    """Prefetch the input row (for reading) and the output row (for writing)
-    :data:`AHEAD_ROWS` steps of ``axis`` (1: heads, 2: tokens) past the rows at these
-    byte offsets, the next rows the loop rotates (a hint, which never faults: rows
-    past the end of the arrays are fine)."""
-    row_bytes = x.shape[3] * x.itemsize
-    prefetch_span(x, x_offset + AHEAD_ROWS * x.strides[axis], row_bytes, False)
-    prefetch_span(out, out_offset + AHEAD_ROWS * out.strides[axis], row_bytes, True)
 
 
 def _cache_scratch(cache, half):  # pragma: no cover - see overload
@@ -367,11 +310,9 @@ def _token_units(
     :func:`_cache_scratch`), instead of in every head's vector steps: F16C's
     conversions bound those steps, six per step with float16 caches and four without
     (float16 decode 0.84-0.95x the time, a bshd (4, 512, 8, 128) 0.88x, one-process
-    A/B). Widening is exact: the bits do not change. Large float32 calls into another
-    array prefetch the rows :data:`AHEAD_ROWS` heads ahead (:func:`_prefetches_ahead`)."""
+    A/B). Widening is exact: the bits do not change."""
     head_size = x.shape[3]
     half = rotary_dim // 2
-    ahead = _prefetches_ahead(x, out, streaming)
     for unit in range(first, end):
         b, s0, s1, h0, h1 = _unit_bounds(unit, x.shape[2], x.shape[1], tile, n_groups)
         for s in range(s0, s1):
@@ -385,8 +326,6 @@ def _token_units(
             for h in range(h0, h1):
                 x_offset = b * x.strides[0] + h * x.strides[1] + s * x.strides[2]
                 out_offset = b * out.strides[0] + h * out.strides[1] + s * out.strides[2]
-                if ahead:
-                    _prefetch_rows_ahead(x, x_offset, out, out_offset, 1)
                 rotate_row(
                     row(x, x_offset, head_size),
                     cos_row,

@@ -21,7 +21,7 @@ import platform
 import numba
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils, errors
+from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np.arrayobj import populate_array
 
@@ -759,17 +759,13 @@ def widen_word_halves(typingctx, source, wide, length):
 
 
 @intrinsic
-def prefetch_span(typingctx, array, byte_offset, nbytes, for_writing):
-    """Prefetch the cache lines of ``nbytes`` bytes of ``array`` from ``byte_offset``
-    on: for writing (``prefetchw`` where the CPU has it) if ``for_writing``, a
-    constant, is True, else for reading. ``llvm.prefetch`` is a hint, which never
-    faults, so the span may lie past the array's end. Addresses are computed as
-    integers: no ``inbounds`` pointer arithmetic past the array."""
+def prefetch_span(typingctx, array, byte_offset, nbytes):
+    """Prefetch, for writing, the cache lines of ``nbytes`` bytes of ``array`` from
+    ``byte_offset`` on (``llvm.prefetch``: a hint, which never faults, so the span may
+    lie past the array's end). Addresses are computed as integers: no ``inbounds``
+    pointer arithmetic past the array."""
     if not isinstance(array, types.Array):
         return None
-    if not isinstance(for_writing, types.BooleanLiteral):
-        raise errors.RequireLiteralValue(for_writing)
-    writing = int(for_writing.literal_value)
 
     def codegen(context, builder, signature, args):
         source = context.make_array(signature.args[0])(context, builder, args[0])
@@ -784,7 +780,7 @@ def prefetch_span(typingctx, array, byte_offset, nbytes, for_writing):
             "llvm.prefetch",
             fnty=ir.FunctionType(ir.VoidType(), [byte_pointer, _LANE, _LANE, _LANE]),
         )
-        hint = [ir.Constant(_LANE, writing), ir.Constant(_LANE, 3), ir.Constant(_LANE, 1)]
+        hint = [ir.Constant(_LANE, 1), ir.Constant(_LANE, 3), ir.Constant(_LANE, 1)]
         end = builder.add(start, length)
         with cgutils.for_range_slice(builder, start, end, ir.Constant(i64, 64), i64) as (
             address,
@@ -796,7 +792,7 @@ def prefetch_span(typingctx, array, byte_offset, nbytes, for_writing):
         builder.call(prefetch, [builder.inttoptr(last, byte_pointer), *hint])
         return context.get_dummy_value()
 
-    return types.void(array, byte_offset, nbytes, for_writing), codegen
+    return types.void(array, byte_offset, nbytes), codegen
 
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
