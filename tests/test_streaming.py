@@ -50,7 +50,7 @@ def aligned(shape, dtype, offset=0):
 
 
 def test_empty_on_line_places_data_at_any_offset_past_a_line():
-    # Every offset in [0, boundary), sizes of one byte to many lines, wherever NumPy's
+    # Offsets from 0 to boundary - 1, sizes of one byte to many lines, wherever NumPy's
     # allocator put the buffer: the data start there and end inside the buffer.
     for boundary in (64, 4096):
         for offset in sorted({0, 1, 4, 16, 48, 63, boundary - 1}):
