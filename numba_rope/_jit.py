@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numba
+from numba import types
 from numba.core import config as numba_config
 from numba.core import sigutils
 from numba.core.ccallback import CFunc
@@ -47,10 +48,12 @@ from numba.np.ufunc import parallel as _numba_parallel
 _NO_LOCATOR = "no locator available"
 
 
-def cached_njit(**options: Any) -> Callable[[Callable], Any]:
+def cached_njit(any_layout: bool = False, **options: Any) -> Callable[[Callable], Any]:
     """``numba.njit(cache=True, **options)``, or ``numba.njit(**options)`` (compiled in
     memory, each process) where numba finds no usable cache location for the function's
-    file. numba's own choice of location, ``NUMBA_CACHE_DIR`` first, is kept."""
+    file. numba's own choice of location, ``NUMBA_CACHE_DIR`` first, is kept.
+    ``any_layout``: compile one specialization for arrays of any layout
+    (:func:`compiled_for_any_layout`)."""
 
     def decorate(function: Callable) -> Any:
         try:
@@ -58,11 +61,52 @@ def cached_njit(**options: Any) -> Callable[[Callable], Any]:
         except RuntimeError as error:
             if _NO_LOCATOR not in str(error):
                 raise
-            return numba.njit(**options)(function)
-        compiled_once_across_processes(dispatcher)
+            dispatcher = numba.njit(**options)(function)
+        else:
+            compiled_once_across_processes(dispatcher)
+        if any_layout:
+            compiled_for_any_layout(dispatcher)
         return dispatcher
 
     return decorate
+
+
+def any_layout(argument_types: tuple) -> tuple:
+    """``argument_types`` with every array's numba layout ("C", "F") made "A" (any
+    strides): the signature :func:`compiled_for_any_layout` compiles."""
+    return tuple(
+        kind.copy(layout="A") if isinstance(kind, types.Array) else kind for kind in argument_types
+    )
+
+
+def compiled_for_any_layout(dispatcher: Any) -> None:
+    """Make a dispatcher compile, for arguments of new types, the specialization of
+    their :func:`any_layout` types, and call it for the arguments' own types too.
+
+    numba types a C-contiguous array "C", a Fortran-contiguous one "F" and others "A",
+    and compiles a specialization for each combination it meets. Functions whose code
+    does not depend on the layout (the CPU kernels read strides, or take rows over raw
+    pointers) then compile the same code again for each: a contiguous input and a
+    strided view of q, with an output of either kind, made four compilations of about
+    2-4 s each. Here a call with arguments of types new to the process compiles (or
+    loads from the cache) the "A" specialization, and registers it with numba's
+    dispatcher under the arguments' own types, so that later calls with them find it
+    at once. Arguments of the same layouts as the signature compiled call it as
+    before."""
+    compile_for_args = dispatcher._compile_for_args
+
+    def _compile_for_args(*args: Any, **kws: Any) -> Any:
+        if kws:  # pragma: no cover - the kernels take positional arguments only
+            return compile_for_args(*args, **kws)
+        exact = tuple(dispatcher.typeof_pyval(argument) for argument in args)
+        general = any_layout(exact)
+        if general == exact:
+            return compile_for_args(*args)
+        entry = dispatcher.compile(general)
+        dispatcher._insert([kind._code for kind in exact], entry, False)
+        return entry
+
+    dispatcher._compile_for_args = _compile_for_args
 
 
 def cached_cfunc(signature: Any, **options: Any) -> Callable[[Callable], Any]:

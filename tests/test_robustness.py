@@ -405,3 +405,41 @@ def test_a_cache_lock_that_cannot_be_taken_leaves_the_cache_as_numba_has_it(tmp_
     with cache_lock(str(tmp_path / "no such directory"), "compile"):
         ran.append(True)
     assert ran == [True]
+
+
+# -- one specialization for arrays of any layout --------------------------------------------
+
+
+def test_a_function_compiled_for_any_layout_serves_every_layout_with_one_compilation():
+    import numba
+    from numba import types
+
+    from numba_rope._jit import compiled_for_any_layout
+
+    @numba.njit
+    def weighted(a, b, scale):  # a sum in a fixed order: exact on small integers
+        total = 0.0
+        for i in range(a.shape[0]):
+            for j in range(a.shape[1]):
+                total += a[i, j] * b[i, j] * scale
+        return total
+
+    compiled_for_any_layout(weighted)
+    values = np.arange(12.0).reshape(3, 4)
+    wide = np.zeros((3, 8))
+    wide[:, ::2] = values
+    forms = (values, np.asfortranarray(values), wide[:, ::2])  # numba layouts C, F, A
+    assert [numba.typeof(f).layout for f in forms] == ["C", "F", "A"]
+    for a in forms:
+        for b in forms:
+            assert weighted(a, b, 2) == 2.0 * float(np.sum(values * values))
+    # One specialization, of layout "A", for the nine pairs; every pair then found by
+    # numba's dispatcher itself.
+    assert list(weighted.overloads) == [
+        (types.Array(types.float64, 2, "A"), types.Array(types.float64, 2, "A"), types.int64)
+    ]
+    read_only = values.copy()
+    read_only.flags.writeable = False  # another type: a specialization of its own
+    assert weighted(read_only, values, 1) == float(np.sum(values * values))
+    assert len(weighted.overloads) == 2
+    assert all(kind.layout == "A" for args in weighted.overloads for kind in args[:2])

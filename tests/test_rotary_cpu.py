@@ -678,3 +678,30 @@ def test_concurrent_calls_from_python_threads(rng, parallel_always):
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_one_kernel_specialization_serves_inputs_and_outputs_of_any_layout(rng):
+    # A contiguous input and a strided view of one, into a contiguous output and a
+    # strided one: the contract bits each time, and the kernels' specializations hold
+    # arrays of numba layout "A" only (see numba_rope._jit.compiled_for_any_layout).
+    from numba import types
+
+    from numba_rope._cpu import backend as cpu_backend
+
+    x, cos, sin, ids = make_case(rng, (2, 3, 4, 16), np.float32)
+    expected = float32_contract(x, cos, sin, ids)
+    wide_x = np.zeros((2, 3, 4, 32), np.float32)
+    wide_x[..., ::2] = x
+    for given in (x, wide_x[..., ::2]):
+        for out in (np.empty_like(x), np.zeros((2, 3, 4, 32), np.float32)[..., 16:]):
+            numba_rope.rotary_embedding(given, cos, sin, ids, out=out)
+            assert_bitwise_equal(out, expected)
+    compiled = [
+        kind
+        for kernels in cpu_backend._kernel_sets.values()
+        for kernel in kernels
+        for args in kernel.overloads
+        for kind in args
+        if isinstance(kind, types.Array)
+    ]
+    assert compiled and all(kind.layout == "A" for kind in compiled)

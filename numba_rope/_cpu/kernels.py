@@ -638,7 +638,7 @@ def make_kernels(
     # numba keys its on-disk cache of a closure by its cells, and a cell holding a
     # dispatcher (pickled with a per-process id) would miss the cache every time.
 
-    @cached_njit()
+    @cached_njit(any_layout=True)
     def serial(x, k, cos, sin, positions, out, out_k, rotary_dim, check_overlap, tile, n_groups):
         status = _checked(x, k, cos, sin, positions, out, out_k, check_overlap)
         if status == DONE:
@@ -648,7 +648,7 @@ def make_kernels(
                   contiguous, token_major, first_in_place, second_in_place)  # fmt: skip
         return status
 
-    @cached_njit(parallel=True)
+    @cached_njit(any_layout=True, parallel=True)
     def parallel(
         x, k, cos, sin, positions, out, out_k, rotary_dim, check_overlap, tile, n_groups, n_chunks
     ):
@@ -664,7 +664,7 @@ def make_kernels(
                   contiguous, token_major, first_in_place, second_in_place)  # fmt: skip
         return DONE
 
-    @cached_njit()
+    @cached_njit(any_layout=True)
     def relayed(
         x, k, cos, sin, positions, out, out_k, rotary_dim, check_overlap, tile, n_groups,
         n_chunks, block, runner,
