@@ -71,7 +71,7 @@ def cached_njit(any_layout: bool = False, **options: Any) -> Callable[[Callable]
     return decorate
 
 
-def any_layout(argument_types: tuple) -> tuple:
+def any_layout_types(argument_types: tuple) -> tuple:
     """``argument_types`` with every array's numba layout ("C", "F") made "A" (any
     strides): the signature :func:`compiled_for_any_layout` compiles."""
     return tuple(
@@ -81,7 +81,7 @@ def any_layout(argument_types: tuple) -> tuple:
 
 def compiled_for_any_layout(dispatcher: Any) -> None:
     """Make a dispatcher compile, for arguments of new types, the specialization of
-    their :func:`any_layout` types, and call it for the arguments' own types too.
+    their :func:`any_layout_types`, and call it for the arguments' own types too.
 
     numba types a C-contiguous array "C", a Fortran-contiguous one "F" and others "A",
     and compiles a specialization for each combination it meets. Functions whose code
@@ -91,15 +91,15 @@ def compiled_for_any_layout(dispatcher: Any) -> None:
     2-4 s each. Here a call with arguments of types new to the process compiles (or
     loads from the cache) the "A" specialization, and registers it with numba's
     dispatcher under the arguments' own types, so that later calls with them find it
-    at once. Arguments of the same layouts as the signature compiled call it as
-    before."""
+    at once. Arguments whose arrays are all "A" already (or that hold no array) take
+    numba's own path."""
     compile_for_args = dispatcher._compile_for_args
 
     def _compile_for_args(*args: Any, **kws: Any) -> Any:
         if kws:  # pragma: no cover - the kernels take positional arguments only
             return compile_for_args(*args, **kws)
         exact = tuple(dispatcher.typeof_pyval(argument) for argument in args)
-        general = any_layout(exact)
+        general = any_layout_types(exact)
         if general == exact:
             return compile_for_args(*args)
         entry = dispatcher.compile(general)

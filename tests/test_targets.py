@@ -36,7 +36,7 @@ SCRIPT = r"""
 import json, re
 import numpy as np
 from numba_rope._cpu.backend import kernels, storage_dtype
-from numba_rope._jit import any_layout
+from numba_rope._jit import any_layout_types
 from numba_rope.bench import make_arrays
 
 report = {}
@@ -66,7 +66,7 @@ for dtype, words, streaming, token_major in variants:
     view = (lambda a: a) if storage is None else (lambda a: a.view(storage))
     serial = kernels(False, False, True, 0, words, streaming, token_major)[0]
     out = np.empty_like(view(x))
-    signature = any_layout(tuple(  # the specialization calls run (compiled_for_any_layout)
+    signature = any_layout_types(tuple(  # the specialization calls run (compiled_for_any_layout)
         __import__("numba").typeof(a) for a in
         (view(x), None, view(cos), view(sin), ids, out, None, 64, True, 1024, 1)
     ))
