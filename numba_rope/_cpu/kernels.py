@@ -542,6 +542,7 @@ def _units_overload(
     # Closure constants, which numba prunes: each loop call below compiles only if its
     # branch is taken (a wrapper function per tensor cost 40-70% more cold compile).
     first_own, second_own = first_in_place, second_in_place
+    same_kinds = k == x and out_k == out and first_own == second_own
 
     def impl(
         x, k, cos, sin, positions, out, out_k, rotary_dim, first, end, tile, n_groups,
@@ -556,6 +557,19 @@ def _units_overload(
             else:
                 loop(x, cos, sin, positions, out, rotary_dim, first, end, tile, n_groups,
                      interleaved, sign, words, streaming, scratch)  # fmt: skip
+        elif same_kinds:
+            # q and k of one type, both in place or neither: one copy of the loop,
+            # given each tensor in turn (half the code to compile of two copies).
+            for unit in range(first, end):
+                for which in range(2):
+                    a = x if which == 0 else k
+                    if first_own:
+                        loop(a, cos, sin, positions, a, rotary_dim, unit, unit + 1, tile,
+                             n_groups, interleaved, sign, words, streaming, scratch)  # fmt: skip
+                    else:
+                        b = out if which == 0 else out_k
+                        loop(a, cos, sin, positions, b, rotary_dim, unit, unit + 1, tile,
+                             n_groups, interleaved, sign, words, streaming, scratch)  # fmt: skip
         else:
             for unit in range(first, end):
                 if first_own:
@@ -576,9 +590,12 @@ def _units_overload(
     return impl
 
 
-@cached_njit(inline="always")
+@cached_njit(any_layout=True)
 def _checked(x, k, cos, sin, positions, out, out_k, check_overlap):
-    """:func:`_preflight` of one tensor, and of the second when there is one."""
+    """:func:`_preflight` of one tensor, and of the second when there is one. A
+    function of its own, not inlined: compiled once per argument types (of any layout)
+    and called by every kernel of those types, instead of compiled into each kernel
+    (a call costs nanoseconds; the checks are the same code whatever the options)."""
     status = _preflight(x, cos, sin, positions, out, check_overlap)
     if k is not None and status == DONE and check_overlap:
         status = _second_tensor_overlaps(x, k, cos, sin, positions, out, out_k)
