@@ -64,7 +64,7 @@ def cached_njit(any_layout: bool = False, **options: Any) -> Callable[[Callable]
             dispatcher = numba.njit(**options)(function)
         else:
             compiled_once_across_processes(dispatcher)
-        if any_layout:
+        if any_layout and not getattr(numba_config, "DISABLE_JIT", False):  # else plain Python
             compiled_for_any_layout(dispatcher)
         return dispatcher
 

@@ -36,17 +36,22 @@ RUNNER = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64)
 @pytest.fixture
 def relay_always(monkeypatch):
     """Every call below the parallel kernels' size goes through the helper's job
-    protocol, and the runners asked for are recorded."""
+    protocol, and the options of the relayed kernels launched are recorded."""
     monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", 0)
     monkeypatch.setattr(cpu_backend, "PLANS", {})
     asked = []
-    runner = helper.Helper.runner
+    kernels = cpu_backend.kernels
 
-    def recording(self, options, arrays):
-        asked.append(options)
-        return runner(self, options, arrays)
+    def recording(*options):
+        chosen = kernels(*options)
 
-    monkeypatch.setattr(helper.Helper, "runner", recording)
+        def relayed(*args):
+            asked.append(chosen.options)
+            return chosen.relayed(*args)
+
+        return chosen._replace(relayed=relayed)
+
+    monkeypatch.setattr(cpu_backend, "kernels", recording)
     return asked
 
 
@@ -149,10 +154,10 @@ def test_the_runner_rotates_each_chunk_as_the_caller_does(rng, dtype, positions,
     out = np.empty_like(x)
     out_k = None if k is None else np.empty_like(k)
     options = (False, False, True, 0, dtype == BFLOAT16, False, False)
-    _, _, relayed = cpu_backend.kernels(*options)
+    relayed = cpu_backend.kernels(*options).relayed
     positions_arg = _kernel_positions(kwargs)
     arrays = (store(x), None if k is None else store(k), store(cos), store(sin), positions_arg)
-    runner = helper.helper().runner(options, arrays)
+    runner = cpu_backend.kernels(*options).runner(*arrays)
     tile, n_groups, n_chunks = cpu_backend.work_split(4, 6, 3, True, 2)
     args = (*arrays, store(out), None if k is None else store(out_k), 16, True)
     status = relayed(*args, tile, n_groups, n_chunks, block, runner)
@@ -173,9 +178,10 @@ def test_a_caller_finding_the_block_taken_runs_alone(rng):
     block = np.zeros(relay.BLOCK_SLOTS, np.int64)
     block[relay.OWNER] = 1  # another caller's job
     options = (False, False, True, 0, False, False, False)
-    _, _, relayed = cpu_backend.kernels(*options)
+    chosen = cpu_backend.kernels(*options)
+    relayed, runner = chosen.relayed, chosen.runner(x, None, cos, sin, ids)
     out = np.empty_like(x)
-    status = relayed(x, None, cos, sin, ids, out, None, 16, True, 1024, 2, 8, block, 0)
+    status = relayed(x, None, cos, sin, ids, out, None, 16, True, 1024, 2, 8, block, runner)
     assert status == DONE
     assert_bitwise_equal(out, float32_contract(x, cos, sin, ids))
     assert block[relay.CLAIM] == 0 and block[relay.OWNER] == 1  # nothing published
@@ -190,12 +196,13 @@ def test_after_missed_jobs_calls_run_alone_and_probe_twice_in_a_row(rng):
     block = np.zeros(relay.BLOCK_SLOTS, np.int64)
     block[relay.SYSCALL] = 1  # as if there were a futex (no helper sleeps on it here)
     options = (False, False, True, 0, False, False, False)
-    _, _, relayed = cpu_backend.kernels(*options)
+    chosen = cpu_backend.kernels(*options)
+    relayed, runner = chosen.relayed, chosen.runner(x, None, cos, sin, ids)
     out = np.empty_like(x)
     published = []
     for call in range(relay.MISSES_BEFORE_ALONE + 2 * relay.PROBE_EVERY + 2):
         before = block[relay.GENERATION]
-        status = relayed(x, None, cos, sin, ids, out, None, 16, True, 1024, 2, 8, block, 0)
+        status = relayed(x, None, cos, sin, ids, out, None, 16, True, 1024, 2, 8, block, runner)
         assert status == DONE
         if block[relay.GENERATION] != before:
             published.append(call)
@@ -210,7 +217,7 @@ def test_after_missed_jobs_calls_run_alone_and_probe_twice_in_a_row(rng):
     block[relay.SKIPPED] = 0
     for _ in range(3):
         before = block[relay.GENERATION]
-        relayed(x, None, cos, sin, ids, out, None, 16, True, 1024, 2, 8, block, 0)
+        relayed(x, None, cos, sin, ids, out, None, 16, True, 1024, 2, 8, block, runner)
         assert block[relay.GENERATION] == before + 1
 
 

@@ -160,7 +160,8 @@ def test_scattered_caches_of_a_large_call(rng, monkeypatch, parallel_always, dty
         def wrap(kernel):
             return lambda *args: launched.append(args) or kernel(*args)
 
-        return tuple(wrap(kernel) for kernel in kernels(*options))
+        chosen = kernels(*options)
+        return chosen._replace(**{name: wrap(getattr(chosen, name)) for name in chosen._fields[1:]})
 
     monkeypatch.setattr(cpu_backend, "kernels", recording)
     got = numba_rope.rotary_embedding(x, cos, sin)
@@ -686,7 +687,7 @@ def test_one_kernel_specialization_serves_inputs_and_outputs_of_any_layout(rng):
     # arrays of numba layout "A" only (see numba_rope._jit.compiled_for_any_layout).
     from numba import types
 
-    from numba_rope._cpu import backend as cpu_backend
+    from numba_rope._cpu import kernels as cpu_kernels
 
     x, cos, sin, ids = make_case(rng, (2, 3, 4, 16), np.float32)
     expected = float32_contract(x, cos, sin, ids)
@@ -698,9 +699,49 @@ def test_one_kernel_specialization_serves_inputs_and_outputs_of_any_layout(rng):
             assert_bitwise_equal(out, expected)
     compiled = [
         kind
-        for kernels in cpu_backend._kernel_sets.values()
-        for kernel in kernels
+        for kernel in (cpu_kernels.serial, cpu_kernels.parallel, cpu_kernels.relayed)
         for args in kernel.overloads
+        for kind in args
+        if isinstance(kind, types.Array)
+    ]
+    assert compiled and all(kind.layout == "A" for kind in compiled)
+
+
+def test_one_kernel_serves_every_option_set_through_the_runner_of_each(rng):
+    # The kernels check a call and have its rows rotated by the runner of its options
+    # (make_runner): the same compiled kernels for every option set, a runner of its
+    # own for each, the contract bits each time. The compiled plans of repeated calls
+    # (into a C-contiguous output and one whose rows lie apart) are compiled for arrays
+    # of any layout.
+    from numba import types
+
+    from numba_rope._cpu import backend as cpu_backend
+    from numba_rope._cpu import helper
+    from numba_rope._cpu import kernels as cpu_kernels
+
+    x, cos, sin, ids = make_case(rng, (2, 3, 4, 16), np.float32)
+    runners, chosen = set(), set()
+    for interleaved in (False, True):
+        for inverse in (False, True):
+            want = float32_contract(x, cos, -sin if inverse else sin, ids, interleaved)
+            got = numba_rope.rotary_embedding(
+                x, cos, sin, ids, interleaved=interleaved, inverse=inverse
+            )
+            assert_bitwise_equal(got, want)
+            found = cpu_backend.kernels(interleaved, inverse, True)
+            chosen.add((found.serial, found.parallel, found.relayed))
+            runners.add(found.runner(x, None, cos, sin, ids))
+    assert chosen == {(cpu_kernels.serial, cpu_kernels.parallel, cpu_kernels.relayed)}
+    assert len(runners) == 4 and all(runners)
+    assert len(helper._RUNNERS) >= 4
+    wide = np.zeros((2, 3, 4, 32), np.float32)
+    for out in (np.empty_like(x), wide[..., 8:24]):  # C-contiguous, then rows apart
+        for _ in range(cpu_backend.FAST_AFTER + 2):  # a Python plan, then a compiled one
+            numba_rope.rotary_embedding(x, cos, sin, ids, out=out)
+            assert_bitwise_equal(out, float32_contract(x, cos, sin, ids))
+    compiled = [
+        kind
+        for args in cpu_kernels.planned_one.overloads
         for kind in args
         if isinstance(kind, types.Array)
     ]

@@ -35,8 +35,9 @@ AVX512_FP16 = {"sapphirerapids"}
 SCRIPT = r"""
 import json, re
 import numpy as np
-from numba_rope._cpu.backend import kernels, storage_dtype
-from numba_rope._jit import any_layout_types
+from numba_rope._cpu.backend import storage_dtype
+from numba_rope._cpu.helper import _like
+from numba_rope._cpu.kernels import make_runner
 from numba_rope.bench import make_arrays
 
 report = {}
@@ -60,33 +61,17 @@ variants = [(d, w, streaming, False) for d, w in (("float32", False), ("float16"
 variants += [  # decode steps (float16: cache rows widened once per token)
     ("float32", False, False, True), ("float16", False, False, True), ("bfloat16", True, False, True)
 ]
+# Every kernel rotates its rows by the runner of its options (make_runner): what the
+# calling thread, numba's threads and the helper thread run.
 for dtype, words, streaming, token_major in variants:
     x, cos, sin, ids = make_arrays(np.random.default_rng(0), (1, 2, 3, 64), dtype)
     storage = storage_dtype(x.dtype)
     view = (lambda a: a) if storage is None else (lambda a: a.view(storage))
-    serial = kernels(False, False, True, 0, words, streaming, token_major)[0]
-    out = np.empty_like(view(x))
-    signature = any_layout_types(tuple(  # the specialization calls run (compiled_for_any_layout)
-        __import__("numba").typeof(a) for a in
-        (view(x), None, view(cos), view(sin), ids, out, None, 64, True, 1024, 1)
-    ))
-    serial.compile(signature)
-    asm = serial.inspect_asm(signature)
+    likes = (_like(view(x)), None, _like(view(cos)), _like(view(sin)), _like(ids))
+    run = make_runner((False, False, True, 0, words, streaming, token_major), likes)
+    asm = run._library.get_asm_str()
     name = dtype + (" streaming" if streaming else "") + (" token-major" if token_major else "")
     report[name] = counts(asm)
-# What the helper thread runs for a chunk of a decode step (the same row code, reached
-# through a C function of its own).
-from numba_rope._cpu.helper import _like
-from numba_rope._cpu.kernels import make_runner
-
-for dtype, words in (("float32", False), ("float16", False), ("bfloat16", True)):
-    x, cos, sin, ids = make_arrays(np.random.default_rng(0), (1, 2, 1, 64), dtype)
-    storage = storage_dtype(x.dtype)
-    view = (lambda a: a) if storage is None else (lambda a: a.view(storage))
-    likes = (_like(view(x)), None, _like(view(cos)), _like(view(sin)), _like(ids))
-    run = make_runner((False, False, True, 0, words, False, True), likes)
-    asm = run._library.get_asm_str()
-    report[dtype + " token-major helper runner"] = counts(asm)
 # The vector steps alone, streaming: every store of a rotated result must be
 # non-temporal (an ordinary vector store to the output is a store LLVM made of a
 # non-temporal one; stores to the stack are spills).

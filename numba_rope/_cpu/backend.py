@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numba
 import numpy as np
@@ -47,11 +47,13 @@ from numba_rope._cpu.kernels import (
     PLAN_X,
     SECOND_IN_PLACE,
     first_bad_position,
-    make_kernels,
+    parallel,
     planned,
     planned_one,
     planned_shared,
     planned_shared_one,
+    relayed,
+    serial,
 )
 from numba_rope._cpu.relay import MAX_CHUNKS
 from numba_rope._cpu.vector import STREAM_ALIGNMENT
@@ -266,9 +268,27 @@ def _reset_after_fork() -> None:
 if hasattr(os, "register_at_fork"):  # POSIX only: Windows has no fork
     os.register_at_fork(after_in_child=_reset_after_fork)
 
+
+class Kernels(NamedTuple):
+    """The CPU kernels (:func:`numba_rope._cpu.kernels.serial`, ``parallel``,
+    ``relayed``: the same functions for every option set) with the options of the
+    runner they are given (see :func:`kernels`)."""
+
+    options: tuple[bool, bool, bool, int, bool, bool, bool]
+    serial: Any
+    parallel: Any
+    relayed: Any
+
+    def runner(self, x, k, cos, sin, positions) -> int:
+        """Address of the runner (:func:`numba_rope._cpu.kernels.make_runner`) of these
+        options for arguments of the kinds of these (compiled, or loaded from numba's
+        cache, the first time in the process)."""
+        return helper.runner(self.options, (x, k, cos, sin, positions)).address
+
+
 #: Kernels by (interleaved, inverse, contiguous, in_place, words, streaming,
 #: token_major), made on first use.
-_kernel_sets: dict[tuple[bool, bool, bool, int, bool, bool, bool], tuple] = {}
+_kernel_sets: dict[tuple[bool, bool, bool, int, bool, bool, bool], Kernels] = {}
 
 
 def kernels(
@@ -279,9 +299,9 @@ def kernels(
     words: bool = False,
     streaming: bool = False,
     token_major: bool = False,
-) -> tuple:
-    """``(serial, parallel, relayed)`` for these options (see
-    :func:`numba_rope._cpu.kernels.make_kernels`; ``words``, ``streaming`` and
+) -> Kernels:
+    """The kernels for these options (see
+    :func:`numba_rope._cpu.kernels.make_runner`; ``words``, ``streaming`` and
     ``token_major`` only with ``contiguous``)."""
     streaming = streaming and contiguous
     words = words and contiguous
@@ -290,7 +310,7 @@ def kernels(
     found = _kernel_sets.get(key)
     if found is None:
         require_jit()
-        found = _kernel_sets[key] = make_kernels(*key)
+        found = _kernel_sets[key] = Kernels(key, serial, parallel, relayed)
     return found
 
 
@@ -496,8 +516,8 @@ def launch(views: tuple, args: tuple, call: Call, check_overlap=True) -> int:
     )
     batch, _, seq_len, _ = x.shape
     by_token = contiguous and token_major(x)
-    options = (call.interleaved, call.inverse, contiguous, in_place, words, stream, by_token)
-    serial, parallel, relayed = kernels(*options)
+    chosen = kernels(call.interleaved, call.inverse, contiguous, in_place, words, stream, by_token)
+    runner = chosen.runner(x, k, cos, sin, positions)
     in_parallel = _parallel(size)
     relay = not in_parallel and helper.usable(size)
     heads = max(v.shape[1] for v, _ in views)
@@ -506,13 +526,12 @@ def launch(views: tuple, args: tuple, call: Call, check_overlap=True) -> int:
     )
     arguments = (x, k, cos, sin, positions, out, out_k, call.rotary_dim, check_overlap)
     if in_parallel:
-        return _run_parallel(parallel, (*arguments, tile, n_groups, n_chunks))
+        return _run_parallel(chosen.parallel, (*arguments, tile, n_groups, n_chunks, runner))
     if relay:
         the_helper = helper.helper()
-        runner = the_helper.runner(options, (x, k, cos, sin, positions))
         the_helper.start()
-        return relayed(*arguments, tile, n_groups, n_chunks, the_helper.block, runner)
-    return serial(*arguments, tile, n_groups)
+        return chosen.relayed(*arguments, tile, n_groups, n_chunks, the_helper.block, runner)
+    return chosen.serial(*arguments, tile, n_groups, runner)
 
 
 # -- plans: small calls of a signature validated before -----------------------------------
@@ -670,8 +689,7 @@ def make_plan(
     placed = pool.LINE_MIN_BYTES if call.dtype == np.float32 else pool.MIN_BYTES
     empty_x = pool.empty if inputs[0].nbytes >= placed else np.empty
     empty_k = pool.empty if inputs[-1].nbytes >= placed else np.empty
-    chosen: dict[tuple[bool, int], tuple] = {}  # kernels and options by (contiguous, in_place)
-    runners: dict[tuple, int] = {}  # the helper's runners, by the same and the helper
+    chosen: dict[tuple[bool, int], tuple] = {}  # kernels and runner by (contiguous, in_place)
     splits: dict[tuple[int, int], tuple[int, int, int]] = {}  # by the tuning constants
 
     def relay_split() -> tuple[int, int, int]:
@@ -755,28 +773,26 @@ def make_plan(
             )
         found = chosen.get((contiguous, in_place))
         if found is None:
-            options = (
+            chosen_kernels = kernels(
                 call.interleaved, call.inverse, contiguous, in_place, words, False, by_token
-            )  # fmt: skip
-            found = chosen[contiguous, in_place] = (*kernels(*options), options)
-        serial, _, relayed, options = found
+            )
+            runner = chosen_kernels.runner(x_view, k_view, cos, sin, positions)
+            found = chosen[contiguous, in_place] = (chosen_kernels, runner)
+        chosen_kernels, runner = found
+        options = chosen_kernels.options
         # The threshold first: a call below it (most small calls) skips calling usable().
         shareable = size >= config.HELPER_MIN_ELEMENTS
         if shareable and helper.usable(size):
             the_helper = helper.helper()
-            runner = runners.get((contiguous, in_place, the_helper))
-            if runner is None:
-                runner = the_helper.runner(options, (x_view, k_view, cos, sin, positions))
-                runners[contiguous, in_place, the_helper] = runner
             the_helper.start()
-            status = relayed(
+            status = chosen_kernels.relayed(
                 x_view, k_view, cos, sin, positions, out_view, out_k_view, rotary_dim,
                 True, *relay_split(), the_helper.block, runner,
             )  # fmt: skip
         else:
-            status = serial(
+            status = chosen_kernels.serial(
                 x_view, k_view, cos, sin, positions, out_view, out_k_view, rotary_dim,
-                True, config.TOKENS_PER_TILE, 1,
+                True, config.TOKENS_PER_TILE, 1, runner,
             )  # fmt: skip
         left = countdowns.get(in_place, FAST_AFTER) if candidate else 0
         if left and status == DONE and contiguous:

@@ -86,12 +86,6 @@ class Helper:
             self.block[relay.FUTEX] = futex
             self.block[relay.TIMESPEC : relay.TIMESPEC + 2] = (0, 100_000_000)  # 100 ms
 
-    def runner(self, options: tuple, arrays: tuple) -> int:
-        """Address of the function that runs a chunk of a job of the kernels of
-        ``options`` with arguments like ``arrays`` (x, k, cos, sin, positions): see
-        :func:`runner`."""
-        return runner(options, arrays).address
-
     def start(self) -> None:
         """Start the helper thread unless it runs, and give it this moment's
         ``config.HELPER_SPIN_MICROSECONDS`` (returns at once)."""
@@ -150,8 +144,9 @@ def runner(options: tuple, arrays: tuple) -> Any:
     """The compiled function (a numba cfunc; ``.address`` is its address) that runs a
     chunk of a job of the kernels of ``options`` with arguments like ``arrays`` (x, k,
     cos, sin, positions), compiled (or loaded from numba's cache) the first time, on
-    the caller's thread. The helper runs jobs by it, and compiled plans
-    (:func:`numba_rope._cpu.kernels.planned`) whole calls."""
+    the caller's thread. Every kernel rotates its chunks by it (see
+    :func:`numba_rope._cpu.kernels.serial`): the calling thread, numba's threads, the
+    helper and the compiled plans (:func:`numba_rope._cpu.kernels.planned`)."""
     signature = (options, *(_signature(a) for a in arrays))
     found = _RUNNERS.get(signature)
     if found is None:

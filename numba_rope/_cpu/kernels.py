@@ -1,10 +1,10 @@
 """CPU kernels: the loops of the ``@njit`` kernels over the rows of one or two tensors.
 
-A *row* is the ``head_size`` elements of one (batch, head, token). The kernels walk
-units of rows (a sequence's tile of tokens over its heads, see :func:`make_kernels`);
-the parallel kernels split the units into contiguous chunks so each thread streams
-through memory, and small inputs run the same loop on the calling thread. A call with
-two tensors (q and k) is the same kernel with a second tensor: unit by unit, q's heads
+A *row* is the ``head_size`` elements of one (batch, head, token). The kernels check a
+call and hand its units of rows (a sequence's tile of tokens over its heads) to the
+compiled runner of its options (:func:`make_runner`), in contiguous chunks: on the
+calling thread, on numba's threads, or shared with the helper thread. A call with two
+tensors (q and k) is the same kernel with a second tensor: unit by unit, q's heads
 then k's, so that k reuses the tile's cos/sin rows.
 
 The kernels trust their arguments: :mod:`numba_rope._validation` has checked shapes,
@@ -186,7 +186,7 @@ def _contiguous_units(
     streaming,
     scratch,
 ):
-    """Rotate units ``first <= u < end`` (see :func:`make_kernels`) whose rows are all
+    """Rotate units ``first <= u < end`` (see :func:`make_runner`) whose rows are all
     contiguous: as C-contiguous arrays over raw pointers, which LLVM vectorizes fully
     (F16C conversions for float16). A range, not one unit: a kernel that calls this
     once per unit ran float32 decode 8-13% slower (A/B of the kernel alone).
@@ -505,13 +505,13 @@ def units(
     interleaved, inverse, words, streaming, contiguous, token_major, first_in_place,
     second_in_place,
 ):  # pragma: no cover - see overload  # fmt: skip
-    """Rotate units ``first <= u < end`` (see :func:`make_kernels`): one tensor as one
+    """Rotate units ``first <= u < end`` (see :func:`make_runner`): one tensor as one
     range, two unit by unit, q's heads then k's (k reuses the tile's cos/sin rows).
     Every kernel and the helper thread do their work through this function. The
     options are constants (literals): the overload compiles only the row loop they
     choose (:func:`_contiguous_units`, :func:`_token_units` or :func:`_strided_units`).
     ``first_in_place``/``second_in_place``: the output is the input itself, passed as
-    the very same array so that LLVM sees the same pointers (see :func:`make_kernels`).
+    the very same array so that LLVM sees the same pointers (see :func:`make_runner`).
     ``inverse``: rotate by the negative angle (sin times -1, a constant of the loops).
     """
     raise NotImplementedError
@@ -602,19 +602,118 @@ def _checked(x, k, cos, sin, positions, out, out_k, check_overlap):
     return status
 
 
-def make_kernels(
-    interleaved: bool,
-    inverse: bool,
-    contiguous: bool,
-    in_place: int,
-    words: bool,
-    streaming: bool,
-    token_major: bool = False,
-):
-    """The CPU kernels for one choice of options, compiled in as constants: each call
-    compiles only the code it runs. Returns ``(serial, parallel, relayed)``: the
-    calling thread alone, numba's parallel region, and the calling thread sharing its
-    chunks with the helper thread (:mod:`numba_rope._cpu.relay`).
+# -- the kernels: checks, then the rows by the runner of the call's options -------------
+#
+# Every kernel checks its call (_checked) and then has its units rotated by a runner
+# (make_runner): the compiled C function, one per choice of options and kinds of
+# arrays, that rotates a chunk of a job written into a control block (relay). The
+# kernels themselves hold no row code and do not depend on the options: one
+# compilation per kind of arrays serves every option set, and the row loops of an
+# option set compile once, in its runner, for the calling thread, numba's parallel
+# region, the helper thread and the compiled plans alike.
+
+
+@cached_njit(inline="always")
+def run_job(x, k, cos, sin, positions, out, out_k, rotary_dim, tile, n_groups, n_chunks,
+            runner, block, shared):  # fmt: skip
+    """Rotate a checked call by the runner at ``runner``: its arguments written into
+    ``block``, all units as one chunk on the calling thread; or, where ``shared`` is
+    the helper thread's control block (:mod:`numba_rope._cpu.relay`), this caller owns
+    it and the helper has had a core of late (``relay.worth_sharing``), the job
+    published there in ``n_chunks`` chunks, which the caller takes from the front and
+    the helper from the back. Alone when another caller's job is running."""
+    n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
+    publishing = False
+    if shared is not None:
+        owner = relay.take_ownership(shared)
+        if owner and relay.worth_sharing(shared):
+            block = shared
+            publishing = True
+        elif owner:
+            relay.release(shared)
+    # One call of each (two inlined copies of the stores trip numba's SSA pass).
+    relay.store_job(block, x, out, cos, sin, positions, rotary_dim, tile, n_groups, n_units)
+    if k is not None:
+        relay.store_array(block, relay.K_AT, k)
+        relay.store_array(block, relay.OUT_K_AT, out_k)
+    if not publishing:
+        block[relay.CHUNKS] = 1
+        relay.call_runner(runner, block, 0)
+        return
+    relay.publish(block, runner, n_chunks)
+    own = 0
+    chunk = relay.claim_own(block)
+    while chunk < n_chunks:
+        relay.call_runner(runner, block, chunk)
+        own += 1
+        chunk = relay.claim_own(block)
+    relay.finish(block, n_chunks, own)
+
+
+@cached_njit(any_layout=True)
+def serial(x, k, cos, sin, positions, out, out_k, rotary_dim, check_overlap, tile, n_groups,
+           runner):  # fmt: skip
+    """Check a call and rotate it on the calling thread by the runner at ``runner``
+    (:func:`make_runner` of the call's options and kinds of arrays): DONE, OVERLAP
+    (``check_overlap`` and an output meets an input) or the index of the first bad
+    position, nothing written unless DONE. ``k = out_k = None`` for one tensor (numba
+    then compiles no code for a second). Work is split into units of ``tile`` tokens
+    and ``n_groups`` groups of heads (see :func:`make_runner`)."""
+    status = _checked(x, k, cos, sin, positions, out, out_k, check_overlap)
+    if status == DONE:
+        block = np.empty(relay.BLOCK_SLOTS, np.int64)
+        run_job(x, k, cos, sin, positions, out, out_k, rotary_dim, tile, n_groups, 1,
+                runner, block, None)  # fmt: skip
+    return status
+
+
+@cached_njit(any_layout=True, parallel=True)
+def parallel(x, k, cos, sin, positions, out, out_k, rotary_dim, check_overlap, tile, n_groups,
+             n_chunks, runner):  # fmt: skip
+    """:func:`serial` in numba's parallel region: the units in ``n_chunks`` contiguous
+    chunks, each run by the runner on one of numba's threads."""
+    status = _checked(x, k, cos, sin, positions, out, out_k, check_overlap)
+    if status != DONE:
+        return status
+    block = np.empty(relay.BLOCK_SLOTS, np.int64)
+    n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
+    relay.store_job(block, x, out, cos, sin, positions, rotary_dim, tile, n_groups, n_units)
+    if k is not None:
+        relay.store_array(block, relay.K_AT, k)
+        relay.store_array(block, relay.OUT_K_AT, out_k)
+    block[relay.CHUNKS] = n_chunks
+    for chunk in prange(n_chunks):
+        relay.call_runner(runner, block, chunk)
+    return DONE
+
+
+@cached_njit(any_layout=True)
+def relayed(x, k, cos, sin, positions, out, out_k, rotary_dim, check_overlap, tile, n_groups,
+            n_chunks, block, runner):  # fmt: skip
+    """:func:`serial` whose ``n_chunks`` chunks the helper thread may share (see
+    :mod:`numba_rope._cpu.relay`): a job in the helper's control block ``block``, whose
+    chunks the helper runs by the same runner (see :func:`run_job`)."""
+    status = _checked(x, k, cos, sin, positions, out, out_k, check_overlap)
+    if status == DONE:
+        own = np.empty(relay.BLOCK_SLOTS, np.int64)
+        run_job(x, k, cos, sin, positions, out, out_k, rotary_dim, tile, n_groups, n_chunks,
+                runner, own, block)  # fmt: skip
+    return status
+
+
+def make_runner(options: tuple, likes: tuple):
+    """The function that rotates one chunk of a job of a kernel (:func:`serial`,
+    :func:`parallel`, :func:`relayed`, the compiled plans) for one choice of
+    ``options``, with arguments like ``likes`` (x, k, cos, sin, positions: tiny arrays
+    of their dtypes and dimensions, None, or an integer for one position offset): a C
+    function ``void run(int64 block_address, int64 chunk)`` that reads the arrays from
+    the control block (:mod:`numba_rope._cpu.relay`) and rotates the chunk's units by
+    :func:`units`. The options are compiled in as constants, so that each runner
+    compiles only the code it runs; every thread that rotates a job's chunks (the
+    caller, numba's, the helper) runs them by it.
+
+    ``options`` is ``(interleaved, inverse, contiguous, in_place, words, streaming,
+    token_major)``:
 
     ``contiguous``: every row of the input, the output and the caches is contiguous
     (:func:`numba_rope._cpu.backend.rows_contiguous`; contiguous arrays, but also views such as ``qkv[...,
@@ -631,7 +730,7 @@ def make_kernels(
     :func:`numba_rope._cpu.backend.token_major`) instead of head by head.
     ``in_place``: which outputs are their inputs themselves, a sum of
     :data:`FIRST_IN_PLACE` (the first tensor) and :data:`SECOND_IN_PLACE`.
-    The kernel then reads and writes through the very same array, so that LLVM sees
+    The runner then reads and writes through the very same array, so that LLVM sees
     the same pointers and vectorizes; given two pointers it can only test at run time
     that they do not overlap, a test that fails when they are equal and falls back to
     a scalar loop (in place measured 4-15x slower that way).
@@ -640,99 +739,14 @@ def make_kernels(
     and a group of heads. A unit rotates its heads one after the other, each over the
     tile's tokens: the tile's cos/sin rows are reused by every head from the caches
     while each head's rows stream through memory (``config.TOKENS_PER_TILE`` trades the
-    two). Units are numbered (batch, tile, group); the parallel kernels give each thread
-    contiguous chunks of them, and split heads into groups when there are few units.
-    The result does not depend on the split: every element is computed by the same
-    arithmetic.
-    """
-    first_in_place = bool(in_place & FIRST_IN_PLACE)
-    second_in_place = bool(in_place & SECOND_IN_PLACE)
+    two). Units are numbered (batch, tile, group); a job's chunks are contiguous runs
+    of them (chunk ``c`` of ``n``: units ``c * units // n`` to ``(c + 1) * units //
+    n``), and heads are split into groups when there are few units. The result does not
+    depend on the split: every element is computed by the same arithmetic.
 
-    # The kernels take ``k = out_k = None`` for one tensor: numba then compiles them
-    # without the second tensor's code (``k is None`` is decided by the type). Every
-    # kernel, and the helper thread, rotates through :func:`units`, given the options
-    # as constants (literals to its overload). Only constants live in these closures:
-    # numba keys its on-disk cache of a closure by its cells, and a cell holding a
-    # dispatcher (pickled with a per-process id) would miss the cache every time.
-
-    @cached_njit(any_layout=True)
-    def serial(x, k, cos, sin, positions, out, out_k, rotary_dim, check_overlap, tile, n_groups):
-        status = _checked(x, k, cos, sin, positions, out, out_k, check_overlap)
-        if status == DONE:
-            n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
-            units(x, k, cos, sin, positions, out, out_k, rotary_dim, 0, n_units, tile, n_groups,
-                  interleaved, inverse, words, streaming,
-                  contiguous, token_major, first_in_place, second_in_place)  # fmt: skip
-        return status
-
-    @cached_njit(any_layout=True, parallel=True)
-    def parallel(
-        x, k, cos, sin, positions, out, out_k, rotary_dim, check_overlap, tile, n_groups, n_chunks
-    ):
-        status = _checked(x, k, cos, sin, positions, out, out_k, check_overlap)
-        if status != DONE:
-            return status
-        n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
-        for chunk in prange(n_chunks):
-            first = chunk * n_units // n_chunks
-            end = (chunk + 1) * n_units // n_chunks
-            units(x, k, cos, sin, positions, out, out_k, rotary_dim, first, end, tile, n_groups,
-                  interleaved, inverse, words, streaming,
-                  contiguous, token_major, first_in_place, second_in_place)  # fmt: skip
-        return DONE
-
-    @cached_njit(any_layout=True)
-    def relayed(
-        x, k, cos, sin, positions, out, out_k, rotary_dim, check_overlap, tile, n_groups,
-        n_chunks, block, runner,
-    ):  # fmt: skip
-        """:func:`serial` whose chunks the helper thread may share (see
-        :mod:`numba_rope._cpu.relay`): a job in ``block`` whose chunks the helper runs
-        by the function at ``runner`` (:func:`make_runner` of these options and
-        argument types)."""
-        status = _checked(x, k, cos, sin, positions, out, out_k, check_overlap)
-        if status != DONE:
-            return status
-        n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
-        # Alone when another caller's job is running, or when the helper has had no
-        # core of late (see relay.worth_sharing).
-        owner = relay.take_ownership(block)
-        if not owner or not relay.worth_sharing(block):
-            units(x, k, cos, sin, positions, out, out_k, rotary_dim, 0, n_units, tile, n_groups,
-                  interleaved, inverse, words, streaming,
-                  contiguous, token_major, first_in_place, second_in_place)  # fmt: skip
-            if owner:
-                relay.release(block)
-            return DONE
-        relay.store_job(block, x, out, cos, sin, positions, rotary_dim, tile, n_groups, n_units)
-        if k is not None:
-            relay.store_array(block, relay.K_AT, k)
-            relay.store_array(block, relay.OUT_K_AT, out_k)
-        relay.publish(block, runner, n_chunks)
-        own = 0
-        chunk = relay.claim_own(block)
-        while chunk < n_chunks:
-            first = chunk * n_units // n_chunks
-            end = (chunk + 1) * n_units // n_chunks
-            units(x, k, cos, sin, positions, out, out_k, rotary_dim, first, end, tile, n_groups,
-                  interleaved, inverse, words, streaming,
-                  contiguous, token_major, first_in_place, second_in_place)  # fmt: skip
-            own += 1
-            chunk = relay.claim_own(block)
-        relay.finish(block, n_chunks, own)
-        return DONE
-
-    return serial, parallel, relayed
-
-
-def make_runner(options: tuple, likes: tuple):
-    """The function the helper thread calls to run one chunk of a job of
-    :func:`make_kernels`' ``relayed`` kernel for these ``options`` (its arguments, in
-    order), whose arguments are
-    like ``likes`` (x, k, cos, sin, positions: tiny arrays of their dtypes and
-    dimensions, None, or an integer for one position offset): a C function ``void
-    run(int64 block_address, int64 chunk)`` that reads the arrays from the control
-    block and rotates the chunk's units by :func:`units`, as the caller does."""
+    Only constants live in this closure: numba keys its on-disk cache of a closure by
+    its cells, and a cell holding a dispatcher (pickled with a per-process id) would
+    miss the cache every time."""
     interleaved, inverse, contiguous, in_place, words, streaming, token_major = options
     first_in_place = bool(in_place & FIRST_IN_PLACE)
     second_in_place = bool(in_place & SECOND_IN_PLACE)
@@ -848,18 +862,27 @@ def _distinct_output_overload(out):
         return lambda out: True
     if not out.mutable:  # a read-only output: the general path names it
         return lambda out: False
-    if out.layout == "C":
-        return lambda out: True
-    return lambda out: elements_distinct(out.shape, out.strides, out.itemsize)
+
+    def impl(out):
+        # C-contiguous (the usual output, tested first: a few comparisons), or not and
+        # its strides are looked at closer.
+        step = out.itemsize
+        for i in range(out.ndim - 1, -1, -1):
+            if out.shape[i] != 1 and out.strides[i] != step:
+                return elements_distinct(out.shape, out.strides, out.itemsize)
+            step *= out.shape[i]
+        return True
+
+    return impl
 
 
-@cached_njit()
+@cached_njit(any_layout=True)
 def planned(x, k, cos, sin, positions, out, out_k, plan):
     """Run a small call of q and k by its compiled plan: see :func:`run_planned`."""
     return run_planned(x, k, cos, sin, positions, out, out_k, plan, None)
 
 
-@cached_njit()
+@cached_njit(any_layout=True)
 def planned_one(x, cos, sin, positions, out, plan):
     """Run a small call of one tensor by its compiled plan: see :func:`run_planned`.
     An entry of its own, not :func:`planned` with two Nones: each argument costs a
@@ -867,14 +890,14 @@ def planned_one(x, cos, sin, positions, out, plan):
     return run_planned(x, None, cos, sin, positions, out, None, plan, None)
 
 
-@cached_njit()
+@cached_njit(any_layout=True)
 def planned_shared(x, k, cos, sin, positions, out, out_k, plan, shared):
     """Run a call of q and k by its compiled plan, sharing its chunks with the helper
     thread whose control block is ``shared``: see :func:`run_planned`."""
     return run_planned(x, k, cos, sin, positions, out, out_k, plan, shared)
 
 
-@cached_njit()
+@cached_njit(any_layout=True)
 def planned_shared_one(x, cos, sin, positions, out, plan, shared):
     """Run a call of one tensor by its compiled plan, sharing its chunks with the
     helper thread whose control block is ``shared``: see :func:`run_planned`."""
@@ -891,17 +914,16 @@ def run_planned(x, k, cos, sin, positions, out, out_k, plan, shared):
 
     ``plan`` (see ``PLAN_*``) was written when a call of these dtypes and options was
     validated (the caller compares the dtypes: this function is compiled for any).
-    The rotation is done by the plan's runner (:func:`make_runner`, the helper's
-    function for the same kernel options), given all units as one chunk, through the
-    control block held in the plan (``PLAN_BLOCK``): one compiled function for every
-    kind of kernel, whose own compilation is small, and a call to it costs one numba
-    dispatch.
+    The rotation is done by the plan's runner (:func:`make_runner` of the call's
+    options), as the kernels do it (:func:`run_job`), through the control block held
+    in the plan (``PLAN_BLOCK``): one compiled function for every option set, whose
+    own compilation is small, and a call to it costs one numba dispatch.
 
     ``shared``: None, or the control block of the helper thread (see
     :mod:`numba_rope._cpu.relay`) for a plan of a call that the general path shares
-    with it (``make_kernels``' ``relayed`` kernel, the same split into chunks): the job
-    is published there and the caller runs its own chunks by the runner too. Alone,
-    as ``relayed`` is (another caller's job running, or a helper without a core of
+    with it (:func:`relayed`, the same split into chunks): the job is published there
+    and the caller runs its own chunks by the runner too. Alone, as in
+    :func:`relayed` (another caller's job running, or a helper without a core of
     late), the call runs as one chunk through the plan's own block.
     """
     if not (
@@ -927,35 +949,7 @@ def run_planned(x, k, cos, sin, positions, out, out_k, plan, shared):
         return NOT_PLANNED
     if _checked(x, k, cos, sin, positions, out, out_k, True) != DONE:
         return NOT_PLANNED
-    tile, n_groups, runner = plan[PLAN_TILE], plan[PLAN_GROUPS], plan[PLAN_RUNNER]
-    n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
-    block = plan[PLAN_BLOCK:]
-    publishing = False
-    if shared is not None:
-        owner = relay.take_ownership(shared)
-        if owner and relay.worth_sharing(shared):
-            block = shared
-            publishing = True
-        elif owner:
-            relay.release(shared)
-    # One call of each (two inlined copies of the stores trip numba's SSA pass).
-    relay.store_job(
-        block, x, out, cos, sin, positions, plan[PLAN_ROTARY_DIM], tile, n_groups, n_units
-    )
-    if k is not None:
-        relay.store_array(block, relay.K_AT, k)
-        relay.store_array(block, relay.OUT_K_AT, out_k)
-    if not publishing:
-        block[relay.CHUNKS] = 1
-        relay.call_runner(runner, block, 0)
-        return DONE
-    n_chunks = plan[PLAN_CHUNKS]
-    relay.publish(block, runner, n_chunks)
-    own = 0
-    chunk = relay.claim_own(block)
-    while chunk < n_chunks:
-        relay.call_runner(runner, block, chunk)
-        own += 1
-        chunk = relay.claim_own(block)
-    relay.finish(block, n_chunks, own)
+    run_job(x, k, cos, sin, positions, out, out_k, plan[PLAN_ROTARY_DIM], plan[PLAN_TILE],
+            plan[PLAN_GROUPS], plan[PLAN_CHUNKS], plan[PLAN_RUNNER], plan[PLAN_BLOCK:],
+            shared)  # fmt: skip
     return DONE

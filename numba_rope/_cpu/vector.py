@@ -345,7 +345,7 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     overlap, are there enough pairs) and its scalar remainder: a decode step's rows
     are 64 pairs, and those tests cost about as much as the pairs. The kernels never
     give it an output that partly overlaps an input (see
-    :func:`numba_rope._cpu.kernels.make_kernels`); in place, each step reads its pairs
+    :func:`numba_rope._cpu.kernels.make_runner`); in place, each step reads its pairs
     before it writes them.
 
     Written in LLVM vectors so that the stores can be non-temporal: the output goes to
