@@ -5,7 +5,8 @@ renamed ``numba_rope_old``, so both versions live in one process and their calls
 alternate: the machine's drift over minutes then touches both alike. For each workload
 of :mod:`numba_rope.bench` and each 16/32-bit dtype it times ``out=``, the allocating
 call and ``rotary_embedding_qk`` (k a quarter of q's heads), after checking that both
-versions give the same bits, and prints the medians and new / old.
+versions give the same bits, and prints the medians and new / old. Each version's
+samples run with the other's helper thread asleep (see :func:`handing_over`).
 
     python tools/ab_compare.py 635ba95 --reps 31
     python tools/ab_compare.py HEAD~3 --reps 61 --workloads seed,decode
@@ -61,21 +62,60 @@ def per_call(call: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def compare(old: Callable[[], object], new: Callable[[], object], reps: int) -> tuple[float, float]:
-    """Medians of ``reps`` alternating samples of about 2 ms each (the order flips)."""
+def compare(
+    old: Callable[[], object],
+    new: Callable[[], object],
+    reps: int,
+    prepare: tuple[Callable[[], object], Callable[[], object]] | None = None,
+) -> tuple[float, float]:
+    """Medians of ``reps`` alternating samples of about 2 ms each (the order flips).
+    ``prepare``: what runs before each sample of the old and of the new version."""
     calls = max(1, int(2e-3 / max(per_call(new, 1), 1e-7)))
     times_old: list[float] = []
     times_new: list[float] = []
+    before_old, before_new = prepare or (lambda: None, lambda: None)
     for rep in range(reps):
-        pair = [(times_old, old), (times_new, new)]
-        for times, call in pair[:: 1 if rep % 2 else -1]:
+        pair = [(times_old, old, before_old), (times_new, new, before_new)]
+        for times, call, before in pair[:: 1 if rep % 2 else -1]:
+            before()
             times.append(per_call(call, calls))
     return statistics.median(times_old), statistics.median(times_new)
 
 
-def print_row(label: str, old: Callable[[], object], new: Callable[[], object], reps: int) -> None:
+def handing_over(version, call, other, other_call) -> Callable[[], object]:
+    """What runs before a sample of ``version`` (``call``): the other version's helper
+    thread is put to sleep (one call of it with a spin of 0 us: its helper sleeps
+    after its last chunk) and this version's spin restored. Two helpers spinning on
+    the machine's cores at once slowed the calls shared with them (float32 decode 58
+    against 41 us on a 2-core VM), and unequally."""
+    spin = version.config.HELPER_SPIN_MICROSECONDS
+
+    def prepare() -> None:
+        other.config.HELPER_SPIN_MICROSECONDS = 0
+        other_call()
+        other.config.HELPER_SPIN_MICROSECONDS = spin
+        version.config.HELPER_SPIN_MICROSECONDS = spin
+        time.sleep(0.002)  # the other helper's spin (0 us) ends, it sleeps
+        # This version's helper, woken by its first job, back in its steady state (a
+        # helper that slept through a few jobs leaves the calls alone for a while).
+        start = time.perf_counter()
+        while True:
+            call()
+            if time.perf_counter() - start > 5e-3:
+                break
+
+    return prepare
+
+
+def print_row(
+    label: str,
+    old: Callable[[], object],
+    new: Callable[[], object],
+    reps: int,
+    prepare: tuple[Callable[[], object], Callable[[], object]] | None = None,
+) -> None:
     """One line of a table: ``label``, the medians of :func:`compare` and new / old."""
-    median_old, median_new = compare(old, new, reps)
+    median_old, median_new = compare(old, new, reps, prepare)
     print(
         f"{label} {median_old * 1e6:8.2f}us {median_new * 1e6:8.2f}us  "
         f"{median_new / median_old:5.3f}",
@@ -140,7 +180,11 @@ def main(argv: list[str] | None = None) -> int:
                 if not np.array_equal(outs[0][0].view(np.uint8), outs[1][0].view(np.uint8)):
                     print(f"{workload} {dtype} {name}: the two versions differ")
                     return 1
-                print_row(f"{workload:14s} {dtype:9s} {name:6s}", old, new, args.reps)
+                prepare = (
+                    handing_over(numba_rope_old, old, numba_rope, new),
+                    handing_over(numba_rope, new, numba_rope_old, old),
+                )
+                print_row(f"{workload:14s} {dtype:9s} {name:6s}", old, new, args.reps, prepare)
     return 0
 
 
