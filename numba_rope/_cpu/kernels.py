@@ -111,7 +111,7 @@ def rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign, 
     and ``streaming`` (non-temporal stores: see :mod:`numba_rope._cpu.vector`, and
     :func:`~numba_rope._cpu.vector.stream_copy` for the channels past ``rotary_dim``).
 
-    Inlined into kernels where the options are constants: :func:`~numba_rope._cpu.vector.vector_pairs` and
+    Inlined into the runners (:func:`make_runner`), where the options are constants: :func:`~numba_rope._cpu.vector.vector_pairs` and
     :func:`~numba_rope._cpu.vector.stream_copy` emit only the code they choose, LLVM drops the element loop
     not in use, and a ``sign`` of +1 costs nothing. The indices are unsigned:
     numba then emits no negative-index wrap-around, which would keep these loops from
@@ -507,7 +507,7 @@ def units(
 ):  # pragma: no cover - see overload  # fmt: skip
     """Rotate units ``first <= u < end`` (see :func:`make_runner`): one tensor as one
     range, two unit by unit, q's heads then k's (k reuses the tile's cos/sin rows).
-    Every kernel and the helper thread do their work through this function. The
+    Every runner (:func:`make_runner`) does its work through this function. The
     options are constants (literals): the overload compiles only the row loop they
     choose (:func:`_contiguous_units`, :func:`_token_units` or :func:`_strided_units`).
     ``first_in_place``/``second_in_place``: the output is the input itself, passed as
