@@ -371,6 +371,18 @@ _FP16_CPUS = frozenset(
 )
 
 
+#: LLVM CPU names that have F16C.
+_F16C_CPUS = _AVX512_CPUS | frozenset(
+    "ivybridge haswell broadwell skylake alderlake raptorlake meteorlake arrowlake "
+    "lunarlake znver1 znver2 znver3 znver5 bdver2 bdver3 bdver4 x86-64-v3 x86-64-v4".split()
+)
+
+
+def has_f16c(context) -> bool:
+    """Whether the CPU target of ``context`` has F16C (which implies AVX)."""
+    return _target_has(context, ("+f16c",), _F16C_CPUS)
+
+
 def has_float16_arithmetic(context) -> bool:
     """Whether the CPU target of ``context`` has AVX512-FP16, whose vectors of LLVM
     ``half`` are legal types (see :func:`float16_integer_code`)."""

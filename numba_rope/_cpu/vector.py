@@ -33,6 +33,7 @@ from numba_rope._conversions import (
     float16_integer_code,
     has_avx512,
     has_bfloat16_instructions,
+    has_f16c,
     has_float16_arithmetic,
     narrow_code,
     pair_constants,
@@ -107,6 +108,7 @@ class _Stream:
         self.nontemporal = builder.module.add_metadata([ir.Constant(_LANE, 1)])
         self.float16_arithmetic = has_float16_arithmetic(context)
         self.avx512 = has_avx512(context)
+        self.float16_in_register = has_f16c(context) and not self.float16_arithmetic
         self.pair_constants = {}
 
     def pointer(self, array, index, lanes, element=None):
@@ -138,10 +140,26 @@ class _Stream:
         AVX512-FP16 targets, :func:`float16_integer_code` (the same bits), without which
         LLVM made the stores ordinary ones: a float16 partial rotation (rows part
         cached, part streamed) ran 16x slower on an Intel VM (docs/performance.md,
-        "Thirteenth session")."""
+        "Thirteenth session").
+
+        float16 for an ordinary store on targets with F16C but not AVX512-FP16 passes
+        through an empty inline assembly statement, which keeps the converted vector
+        in a register: LLVM otherwise folds the store into the conversion
+        (``vcvtps2ph`` to memory), also where :meth:`store_joined` joined two of them,
+        and on Zen 3 that form took 2.0 cycles per 8 lanes against 1.0 into a
+        register and a store of its own (``/tmp/s23/cvt.c``, not kept). A float16
+        decode step 0.80-0.83x the time on one thread, 0.82-0.85x on two (one-process
+        A/B, docs/performance.md, "Twenty-third session"). On Intel's cores both forms
+        are the same micro-ops. The same bits."""
         if nontemporal and numba_type == types.uint16 and self.float16_arithmetic:
             return float16_integer_code(self.builder, value)
-        return narrow_code(self.builder, numba_type, value)
+        narrowed = narrow_code(self.builder, numba_type, value)
+        if numba_type == types.uint16 and not nontemporal and self.float16_in_register:
+            return self.builder.call(
+                ir.InlineAsm(ir.FunctionType(narrowed.type, [narrowed.type]), "", "=v,0"),
+                [narrowed],
+            )
+        return narrowed
 
     def store_joined(self, first, second, lanes, array, index, numba_type, nontemporal):
         """Two vectors narrowed to ``numba_type`` each, joined by the shuffle ``lanes``
