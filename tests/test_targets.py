@@ -57,21 +57,24 @@ def counts(asm):  # the instructions the assertions below look for, in one kerne
         "float16 into memory": len(re.findall(r"\bvcvtps2ph\s+\$\d+, %[xyz]mm\d+, -?\d*\(", asm)),
     }
 
-variants = [(d, w, streaming, False) for d, w in (("float32", False), ("float16", False),
-            ("bfloat16", True)) for streaming in (False, True)]
+variants = [(d, w, streaming, False, False) for d, w in (("float32", False),
+            ("float16", False), ("bfloat16", True)) for streaming in (False, True)]
 variants += [  # decode steps (float16: cache rows widened once per token)
-    ("float32", False, False, True), ("float16", False, False, True), ("bfloat16", True, False, True)
+    ("float32", False, False, True, False), ("float16", False, False, True, False),
+    ("bfloat16", True, False, True, False),
 ]
+variants += [("float16", False, False, False, True)]  # interleaved: 512-bit vectors
 # Every kernel rotates its rows by the runner of its options (make_runner): what the
 # calling thread, numba's threads and the helper thread run.
-for dtype, words, streaming, token_major in variants:
+for dtype, words, streaming, token_major, interleaved in variants:
     x, cos, sin, ids = make_arrays(np.random.default_rng(0), (1, 2, 3, 64), dtype)
     storage = storage_dtype(x.dtype)
     view = (lambda a: a) if storage is None else (lambda a: a.view(storage))
     likes = (_like(view(x)), None, _like(view(cos)), _like(view(sin)), _like(ids))
-    run = make_runner((False, False, True, 0, words, streaming, token_major), likes)
+    run = make_runner((interleaved, False, True, 0, words, streaming, token_major), likes)
     asm = run._library.get_asm_str()
     name = dtype + (" streaming" if streaming else "") + (" token-major" if token_major else "")
+    name += " interleaved" if interleaved else ""
     report[name] = counts(asm)
 # The vector steps alone, streaming: every store of a rotated result must be
 # non-temporal (an ordinary vector store to the output is a store LLVM made of a

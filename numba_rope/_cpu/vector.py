@@ -155,11 +155,28 @@ class _Stream:
             return float16_integer_code(self.builder, value)
         narrowed = narrow_code(self.builder, numba_type, value)
         if numba_type == types.uint16 and not nontemporal and self.float16_in_register:
-            return self.builder.call(
-                ir.InlineAsm(ir.FunctionType(narrowed.type, [narrowed.type]), "", "=v,0"),
-                [narrowed],
-            )
+            return self.in_registers(narrowed)
         return narrowed
+
+    def in_registers(self, vector):
+        """``vector`` passed through an empty inline assembly statement, a register's
+        worth at a time (256 bits, 512 with AVX-512: a wider operand cannot be
+        allocated, and LLVM aborts), so that LLVM keeps it in registers there."""
+        lanes = vector.type.count
+        piece = (512 if self.avx512 else 256) // vector.type.element.width
+        if lanes <= piece:
+            barrier = ir.InlineAsm(ir.FunctionType(vector.type, [vector.type]), "", "=v,0")
+            return self.builder.call(barrier, [vector])
+        pieces = [
+            self.in_registers(self.shuffle(vector, vector, list(range(first, first + piece))))
+            for first in range(0, lanes, piece)
+        ]
+        while len(pieces) > 1:
+            pieces = [
+                self.shuffle(a, b, list(range(2 * a.type.count)))
+                for a, b in zip(pieces[::2], pieces[1::2], strict=True)
+            ]
+        return pieces[0]
 
     def store_joined(self, first, second, lanes, array, index, numba_type, nontemporal):
         """Two vectors narrowed to ``numba_type`` each, joined by the shuffle ``lanes``
