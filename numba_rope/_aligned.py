@@ -10,9 +10,12 @@ bench every output it preallocates, for every implementation alike (see
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import numpy as np
+
+_BYTE, _address = ctypes.c_char, ctypes.addressof
 
 
 def empty_on_line(
@@ -41,5 +44,7 @@ def empty_on_line(
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + boundary, np.uint8)
-    start = (offset - raw.__array_interface__["data"][0]) % boundary
+    # The address through ctypes (0.5 us), not ``__array_interface__`` (1.7 us: a dict
+    # of every field), which made this 3.7 us against ``np.empty``'s 0.3.
+    start = (offset - _address(_BYTE.from_buffer(raw))) % boundary
     return raw[start : start + nbytes].view(dtype).reshape(shape)
