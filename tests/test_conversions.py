@@ -25,6 +25,7 @@ from numba_rope._conversions import (
     float16_integer_code,
     has_avx512,
     has_bfloat16_instructions,
+    has_f16c,
     narrow_like,
     pair_constants,
     widen,
@@ -327,6 +328,62 @@ def test_float16_integer_conversion_rounds_like_numpy(rng, lanes):
     assert np.array_equal(np.isnan(got.view(np.float16)), np.isnan(values))
 
 
+def _stream_narrower(lanes):
+    """A function that narrows float32 ``values`` into float16 storage ``lanes`` at a
+    time as the kernels' vector steps do for an ordinary store
+    (:meth:`numba_rope._cpu.vector._Stream.narrow`: into registers, on F16C targets)."""
+    from numba_rope._cpu.vector import _Stream
+
+    vector = ir.VectorType(ir.FloatType(), lanes)
+    stored = ir.VectorType(ir.IntType(16), lanes)
+
+    @intrinsic
+    def narrow(typingctx, values, out, start):
+        def codegen(context, builder, signature, args):
+            def pointer(index, vector_type):
+                array = context.make_array(signature.args[index])(context, builder, args[index])
+                element = builder.gep(array.data, [args[2]])
+                return builder.bitcast(element, vector_type.as_pointer())
+
+            loaded = builder.load(pointer(0, vector), align=4)
+            narrowed = _Stream(context, builder).narrow(loaded, types.uint16, False)
+            builder.store(narrowed, pointer(1, stored), align=2)
+            return context.get_dummy_value()
+
+        return types.none(values, out, start), codegen
+
+    @njit
+    def run(values, out):
+        for start in range(0, values.size - lanes + 1, lanes):
+            narrow(values, out, start)
+
+    return run
+
+
+@pytest.mark.parametrize("lanes", [4, 8, 16, 32, 64, 12])
+def test_float16_narrowed_in_registers_rounds_like_numpy(rng, lanes):
+    # Every width compiles (a vector wider than a register is kept in registers a
+    # register's worth at a time: as one operand LLVM aborted; narrower than 128 bits
+    # or of lanes not a power of two, it is left to LLVM) and rounds to nearest even.
+    values = _interesting_float32(rng)
+    values = values[: values.size // lanes * lanes]
+    got = np.empty(values.size, FLOAT16_STORAGE)
+    run = _stream_narrower(lanes)
+    run(values, got)
+    with np.errstate(all="ignore"):
+        want = values.astype(np.float16)
+    np.testing.assert_array_equal(bits(got.view(np.float16)), bits(want))
+    assert np.array_equal(np.isnan(got.view(np.float16)), np.isnan(values))
+    # On this host with F16C (and without AVX512-FP16), the statement is there.
+    kept = has_f16c(cpu_target.target_context) and not _target_has(
+        cpu_target.target_context, ("+avx512fp16",), ()
+    )
+    ir_text = run.inspect_llvm(run.signatures[0])
+    assert ('asm sideeffect "", "=v,0"' in ir_text or 'asm "", "=v,0"' in ir_text) == (
+        kept and lanes in (8, 16, 32, 64)
+    )
+
+
 class _Codegen:
     def __init__(self, features, name):
         self._tm_features, self._name = features, name
@@ -367,6 +424,17 @@ def test_avx512_follows_the_target():
         assert has_avx512(_Context("", name)), name
     assert not has_avx512(_Context("", "haswell"))
     assert not has_avx512(_Context("", "znver3"))
+
+
+def test_f16c_follows_the_target():
+    # As test_bfloat16_instructions_follow_the_target: F16C.
+    assert has_f16c(_Context("+avx,+avx2,+f16c"))
+    assert has_f16c(_Context("+avx512f,+avx512vl,+f16c"))
+    assert not has_f16c(_Context("+avx,-f16c"))
+    for name in ("haswell", "znver3", "skylake-avx512", "znver4", "sapphirerapids"):
+        assert has_f16c(_Context("", name)), name
+    assert not has_f16c(_Context("", "x86-64"))
+    assert not has_f16c(_Context("", "generic"))
 
 
 def test_float_storage_passes_through():

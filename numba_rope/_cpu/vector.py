@@ -161,9 +161,13 @@ class _Stream:
     def in_registers(self, vector):
         """``vector`` passed through an empty inline assembly statement, a register's
         worth at a time (256 bits, 512 with AVX-512: a wider operand cannot be
-        allocated, and LLVM aborts), so that LLVM keeps it in registers there."""
-        lanes = vector.type.count
-        piece = (512 if self.avx512 else 256) // vector.type.element.width
+        allocated, and LLVM aborts), so that LLVM keeps it in registers there.
+        Vectors narrower than 128 bits, or of lanes not a power of two, are returned
+        as they are (the vector steps make none)."""
+        lanes, width = vector.type.count, vector.type.element.width
+        piece = (512 if self.avx512 else 256) // width
+        if lanes * width < 128 or lanes & (lanes - 1):
+            return vector
         if lanes <= piece:
             barrier = ir.InlineAsm(ir.FunctionType(vector.type, [vector.type]), "", "=v,0")
             return self.builder.call(barrier, [vector])
