@@ -6,9 +6,12 @@ depends on it. The vector registers each target's code uses are reported, and th
 hand-written vector steps must use the full 512 bits on the AVX-512 targets; bfloat16
 results are narrowed with AVX512_BF16's instruction on the targets that have it (znver4,
 sapphirerapids) only, not on an Emerald Rapids whose hypervisor hides it and
-AVX512-FP16, whose instructions appear on no target without it; and the streaming
+AVX512-FP16, whose instructions appear on no target without it; the streaming
 vector steps store every result non-temporally (sapphirerapids, whose AVX512-FP16
-changes how LLVM handles float16 vectors, included)."""
+changes how LLVM handles float16 vectors, included); and float16 results for ordinary
+stores are converted into registers, never into memory, on every target but
+sapphirerapids (interleaved rows included, whose 512-bit vectors once aborted LLVM on
+AVX2)."""
 
 from __future__ import annotations
 

@@ -149,8 +149,9 @@ class _Stream:
         and on Zen 3 that form took 2.0 cycles per 8 lanes against 1.0 into a
         register and a store of its own (``/tmp/s23/cvt.c``, not kept). A float16
         decode step 0.80-0.83x the time on one thread, 0.82-0.85x on two (one-process
-        A/B, docs/performance.md, "Twenty-third session"). On Intel's cores both forms
-        are the same micro-ops. The same bits."""
+        A/B, docs/performance.md, "Twenty-third session"). On Intel's cores, by the
+        published instruction tables, the memory form is the register form and a
+        store (not measured). The same bits."""
         if nontemporal and numba_type == types.uint16 and self.float16_arithmetic:
             return float16_integer_code(self.builder, value)
         narrowed = narrow_code(self.builder, numba_type, value)
@@ -187,7 +188,10 @@ class _Stream:
         and stored as one at ``index`` (see :meth:`store`). For float16, whose
         conversion into memory (``vcvtps2ph`` to a memory operand) ran 2.6 cycles per 16
         lanes on the Zen 4 VM, and into a register joined to its neighbour and stored
-        2.0 (``/tmp/s10/cvt.py``, not kept; eight lanes into memory: 4.1)."""
+        2.0 (``/tmp/s10/cvt.py``, not kept; eight lanes into memory: 4.1). The join
+        alone did not keep the conversions in registers: on AVX2 targets LLVM split
+        the joined store and folded each half back into a conversion to memory, which
+        :meth:`narrow`'s statement now prevents."""
         joined = self.shuffle(
             self.narrow(first, numba_type, nontemporal),
             self.narrow(second, numba_type, nontemporal),
