@@ -280,10 +280,9 @@ def test_bfloat16_vector_words_round_like_one_element(rng, lanes, instructions):
     assert ("vcvtne2ps2bf16" in asm) == instructions
 
 
-def _float16_integer_narrower(lanes):
+def _narrower(lanes, convert):
     """A function that narrows float32 ``values`` into float16 storage ``lanes`` at a
-    time with :func:`float16_integer_code` (the streaming stores' conversion on
-    AVX512-FP16 targets)."""
+    time with ``convert(context, builder, vector)``, the LLVM code under test."""
     vector = ir.VectorType(ir.FloatType(), lanes)
     stored = ir.VectorType(ir.IntType(16), lanes)
 
@@ -296,7 +295,7 @@ def _float16_integer_narrower(lanes):
                 return builder.bitcast(element, vector_type.as_pointer())
 
             loaded = builder.load(pointer(0, vector), align=4)
-            builder.store(float16_integer_code(builder, loaded), pointer(1, stored), align=2)
+            builder.store(convert(context, builder, loaded), pointer(1, stored), align=2)
             return context.get_dummy_value()
 
         return types.none(values, out, start), codegen
@@ -307,6 +306,12 @@ def _float16_integer_narrower(lanes):
             narrow(values, out, start)
 
     return run
+
+
+def _float16_integer_narrower(lanes):
+    """:func:`_narrower` by :func:`float16_integer_code` (the streaming stores'
+    conversion on AVX512-FP16 targets)."""
+    return _narrower(lanes, lambda context, builder, vector: float16_integer_code(builder, vector))
 
 
 @pytest.mark.parametrize("lanes", [8, 16, 32])
@@ -329,35 +334,16 @@ def test_float16_integer_conversion_rounds_like_numpy(rng, lanes):
 
 
 def _stream_narrower(lanes):
-    """A function that narrows float32 ``values`` into float16 storage ``lanes`` at a
-    time as the kernels' vector steps do for an ordinary store
+    """:func:`_narrower` as the kernels' vector steps narrow for an ordinary store
     (:meth:`numba_rope._cpu.vector._Stream.narrow`: into registers, on F16C targets)."""
     from numba_rope._cpu.vector import _Stream
 
-    vector = ir.VectorType(ir.FloatType(), lanes)
-    stored = ir.VectorType(ir.IntType(16), lanes)
-
-    @intrinsic
-    def narrow(typingctx, values, out, start):
-        def codegen(context, builder, signature, args):
-            def pointer(index, vector_type):
-                array = context.make_array(signature.args[index])(context, builder, args[index])
-                element = builder.gep(array.data, [args[2]])
-                return builder.bitcast(element, vector_type.as_pointer())
-
-            loaded = builder.load(pointer(0, vector), align=4)
-            narrowed = _Stream(context, builder).narrow(loaded, types.uint16, False)
-            builder.store(narrowed, pointer(1, stored), align=2)
-            return context.get_dummy_value()
-
-        return types.none(values, out, start), codegen
-
-    @njit
-    def run(values, out):
-        for start in range(0, values.size - lanes + 1, lanes):
-            narrow(values, out, start)
-
-    return run
+    return _narrower(
+        lanes,
+        lambda context, builder, vector: _Stream(context, builder).narrow(
+            vector, types.uint16, False
+        ),
+    )
 
 
 @pytest.mark.parametrize("lanes", [4, 8, 16, 32, 64, 12])
