@@ -31,8 +31,10 @@ whether this process may run parallel regions, and whether the JIT compiler is o
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
+import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -63,6 +65,7 @@ def cached_njit(any_layout: bool = False, **options: Any) -> Callable[[Callable]
                 raise
             dispatcher = numba.njit(**options)(function)
         else:
+            keyed_on_package_sources(dispatcher)
             compiled_once_across_processes(dispatcher)
         if any_layout and not getattr(numba_config, "DISABLE_JIT", False):  # else plain Python
             compiled_for_any_layout(dispatcher)
@@ -122,11 +125,44 @@ def cached_cfunc(signature: Any, **options: Any) -> Callable[[Callable], Any]:
             if _NO_LOCATOR not in str(error):
                 raise
             return numba.cfunc(signature, **options)(function)
+        keyed_on_package_sources(callback)
         _index_locked(callback)
         callback.compile()
         return callback
 
     return decorate
+
+
+# -- cached code keyed on every source it was compiled from --------------------------------
+
+
+@functools.cache
+def package_sources() -> bytes:
+    """SHA-256 of every ``.py`` file of the package (names and contents, in order of
+    name): read once per process, about 0.5 MB."""
+    root = pathlib.Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.digest()
+
+
+def keyed_on_package_sources(compiled: Any) -> bool:
+    """Make the on-disk cache of a caching dispatcher or C callback stale when any
+    source file of the package changes, not only the function's own file. numba keys a
+    function's cache on its own file's contents; the kernels inline code from other
+    modules (the vector intrinsics, the conversions, the relay), and a change there
+    alone left the machine code of the version before in use: after ``git pull`` in a
+    checkout, or an upgrade that leaves the kernels' file as it was. The cache file's
+    source stamp becomes (numba's stamp, :func:`package_sources`); an index saved
+    under another stamp is ignored and overwritten, as numba does for an edited file.
+    False (and nothing changed) on a numba whose cache lacks the attribute."""
+    cache_file: Any = getattr(getattr(compiled, "_cache", None), "_cache_file", None)
+    if not hasattr(cache_file, "_source_stamp"):
+        return False  # pragma: no cover - another numba
+    cache_file._source_stamp = (cache_file._source_stamp, package_sources())
+    return True
 
 
 # -- one compilation across processes ------------------------------------------------------

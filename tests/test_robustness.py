@@ -119,6 +119,41 @@ def test_read_only_install_still_caches_in_numba_cache_dir(read_only_install, tm
     assert {"_sincos", "_rotation", "kernels"} <= cached, sorted(cached)
 
 
+# -- a package whose inlined modules change -------------------------------------------------
+
+STALE_SCRIPT = """
+import json, sys
+import numpy as np
+from numba_rope._cpu import kernels
+
+assert kernels.__file__.startswith(sys.argv[1]), kernels.__file__
+kernels.first_bad_position(np.zeros((1, 2), np.int64), 4)
+stats = kernels.first_bad_position.stats
+print(json.dumps([sum(stats.cache_hits.values()), sum(stats.cache_misses.values())]))
+"""
+
+
+def test_cached_code_is_stale_when_any_module_of_the_package_changes(tmp_path):
+    """numba keys a function's on-disk cache on its own file alone; the kernels inline
+    code from other modules (the vector intrinsics, the conversions), and an edit
+    there alone kept the machine code of before (a checkout after ``git pull``, an
+    upgrade that leaves ``kernels.py`` as it was). Any change to the package's
+    sources now recompiles."""
+    site = tmp_path / "site"
+    shutil.copytree(PACKAGE, site / "numba_rope", ignore=shutil.ignore_patterns("__pycache__"))
+    env = _env(site, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+
+    def hits_and_misses() -> list[int]:
+        return json.loads(_run(STALE_SCRIPT, env, tmp_path).stdout.splitlines()[-1])
+
+    assert hits_and_misses() == [0, 1]  # compiled and saved
+    assert hits_and_misses() == [1, 0]  # loaded
+    with open(site / "numba_rope" / "_cpu" / "vector.py", "a") as module:
+        module.write("# an edit to a module that kernels.py inlines code from\n")
+    assert hits_and_misses() == [0, 1]  # stale: compiled again
+    assert hits_and_misses() == [1, 0]
+
+
 # -- fork ----------------------------------------------------------------------------------
 
 FORK_SCRIPT = """
