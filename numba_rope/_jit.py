@@ -15,6 +15,8 @@ whether this process may run parallel regions, and whether the JIT compiler is o
   children): the CPU kernels and the cos/sin kernel then run their serial versions,
   whose results are the same bits. numba's ``workqueue`` and ``tbb`` layers start
   afresh in a forked child and keep their threads.
+* The on-disk cache of every such function is stale when any source file of the
+  package changes (:func:`keyed_on_package_sources`), not only the function's own.
 * ``NUMBA_DISABLE_JIT=1`` turns ``@njit`` functions into plain Python, in which the
   rotation kernels cannot run (they are built from numba intrinsics and overloads):
   :func:`require_jit` raises a clear error instead.
