@@ -391,6 +391,61 @@ def test_16_bit_caches_give_the_contract_bits(rng, monkeypatch, dtype, form, run
         assert_bitwise_equal(back(k_in), want_k)
 
 
+#: Input and cache dtypes whose interleaved rows, taken token by token, rotate by cache
+#: rows holding each value twice (kernels.duplicates_pairs).
+_DUPLICATED = [
+    (np.float32, np.float32),
+    (np.float16, np.float16),
+    (np.float16, np.float32),
+    (BFLOAT16, np.float32),
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    _DUPLICATED,
+    ids=[f"{np.dtype(d).name}-{np.dtype(c).name}-caches" for d, c in _DUPLICATED],
+)
+def test_interleaved_pairs_as_they_lie_give_the_contract_bits(rng, dtype, cache_dtype):
+    # Interleaved rows taken token by token (decode steps, bshd) rotate the pairs as
+    # they lie: times cos, minus (even lanes) or plus (odd lanes) the pairs swapped
+    # within themselves times sin, by cache rows widened once per token with each value
+    # twice. The contract's bits for every vector step width and the element loop past
+    # them (60 pairs: steps of 16 and 8 and 4 pairs left; 24; 3: the element loop
+    # alone), partial rotation, the inverse, in place, NaN and infinities in the input
+    # and the caches, and q with k of fewer heads.
+    from numba_rope._cpu import kernels
+    from numba_rope._cpu.backend import storage_dtype
+
+    storage = numba.from_dtype(storage_dtype(np.dtype(dtype)) or np.dtype(dtype))
+    cache_storage = numba.from_dtype(storage_dtype(np.dtype(cache_dtype)) or np.dtype(cache_dtype))
+    assert kernels.duplicates_pairs(
+        numba.types.Array(storage, 4, "C"), numba.types.Array(cache_storage, 2, "C"), True, False
+    )
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 65504.0])
+    for head_size, rotary_dim in ((130, 120), (48, 0), (10, 6)):
+        x, cos, sin, ids = make_case(
+            rng, (3, 6, 1, head_size), dtype, rotary_dim=rotary_dim, cache_dtype=cache_dtype
+        )
+        x[0, 1, 0, : len(specials)] = specials.astype(dtype)
+        cos[ids[1, 0], :2] = specials[:2].astype(cache_dtype)
+        sin[ids[2, 0], 1:3] = specials[1:3].astype(cache_dtype)
+        k = rng.standard_normal((3, 2, 1, head_size)).astype(dtype)
+        options = dict(interleaved=True, rotary_embedding_dim=rotary_dim)
+        want = float32_contract(x, cos, sin, ids, True, rotary_dim)
+        for _ in range(2):  # the general path, then the plan
+            assert_bitwise_equal(numba_rope.rotary_embedding(x, cos, sin, ids, **options), want)
+        bshd = np.ascontiguousarray(x.transpose(2, 0, 1, 3))  # 3 tokens of one sequence
+        got = numba_rope.rotary_embedding(bshd, cos, sin, ids.T, layout="bshd", **options)
+        assert_bitwise_equal(got, want.transpose(2, 0, 1, 3))
+        work = x.copy()
+        numba_rope.rotary_embedding(work, cos, sin, ids, out=work, inverse=True, **options)
+        assert_bitwise_equal(work, float32_contract(x, cos, -sin, ids, True, rotary_dim))
+        got_q, got_k = numba_rope.rotary_embedding_qk(x, k, cos, sin, ids, **options)
+        assert_bitwise_equal(got_q, want)
+        assert_bitwise_equal(got_k, float32_contract(k, cos, sin, ids, True, rotary_dim))
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
 def test_in_place_rows_off_lines_with_channels_past_rotary_dim(rng, dtype):
     # Rotated in place, rows whose channels past rotary_dim are not written and which
@@ -576,6 +631,11 @@ def _vector_steps(interleaved, words, streaming):
     ids=["float32", "float16", "bfloat16-words"],
 )
 def test_vector_steps_of_rows_of_every_length(rng, dtype, words, interleaved, streaming):
+    for duplicated in (False, True) if interleaved and not words else (False,):
+        _check_vector_steps(rng, dtype, words, interleaved, streaming, duplicated)
+
+
+def _check_vector_steps(rng, dtype, words, interleaved, streaming, duplicated):
     # The vector steps are emitted once with the row's length as a constant for each
     # of CONSTANT_HALVES and once for any length (see vector._by_half): every length,
     # those and their neighbours, rotates the same pairs (half rounded down to 8
@@ -587,6 +647,9 @@ def test_vector_steps_of_rows_of_every_length(rng, dtype, words, interleaved, st
     # pairs past the last 16 bytes, in place too. Outputs on a line and off it by 16
     # to 48 bytes, and by 4 (part of an interleaved pair: as on a line); streaming
     # stores need the output and its second half on 16 bytes: halves of 8 pairs there.
+    # Interleaved rows of float32 and float16 also with cache rows that hold each value
+    # twice (``duplicated``: what token-major kernels give them, see
+    # kernels.duplicates_pairs), the pairs then rotated as they lie.
     from numba_rope._aligned import empty_on_line
     from numba_rope._cpu.backend import storage_dtype
     from numba_rope._cpu.vector import CONSTANT_HALVES
@@ -610,7 +673,12 @@ def test_vector_steps_of_rows_of_every_length(rng, dtype, words, interleaved, st
         out = empty_on_line((2 * half,), dtype, offset=offset)
         out[:] = x if in_place else 0
         source = out if in_place else x
-        done = steps(view(source), view(cos[0, 0]), view(sin[0, 0]), view(out), half)
+        cos_row, sin_row = view(cos[0, 0]), view(sin[0, 0])
+        if duplicated:  # float32 rows of (half, 2), each value twice (token-major rows)
+            cos_row, sin_row = (
+                np.repeat(r.astype(np.float32), 2).reshape(half, 2) for r in (cos[0, 0], sin[0, 0])
+            )
+        done = steps(view(source), cos_row, sin_row, view(out), half)
         lead = -offset % 64
         scale = 2 if words and not interleaved else 1  # pairs a lane
         lines = not words and (dtype == np.float32 or streaming)

@@ -58,6 +58,7 @@ def counts(asm):  # the instructions the assertions below look for, in one kerne
         "vptestmd": len(re.findall(r"\bvptestn?md\b", asm)),
         "fp16": len(FP16.findall(asm)),
         "float16 into memory": len(re.findall(r"\bvcvtps2ph\s+\$\d+, %[xyz]mm\d+, -?\d*\(", asm)),
+        "vaddsubps": asm.count("vaddsubps"),
     }
 
 variants = [(d, w, streaming, False, False) for d, w in (("float32", False),
@@ -67,6 +68,8 @@ variants += [  # decode steps (float16: cache rows widened once per token)
     ("bfloat16", True, False, True, False),
 ]
 variants += [("float16", False, False, False, True)]  # interleaved: 512-bit vectors
+# interleaved, token by token: the pairs rotated as they lie (vaddsubps on AVX2)
+variants += [("float32", False, False, True, True), ("float16", False, False, True, True)]
 # Every kernel rotates its rows by the runner of its options (make_runner): what the
 # calling thread, numba's threads and the helper thread run.
 for dtype, words, streaming, token_major, interleaved in variants:
@@ -183,6 +186,11 @@ def test_kernels_compiled_for_other_x86_cpus_contain_no_fma(tmp_path, cpu):
         # float16 results stored with ordinary stores are converted into a register,
         # then stored: F16C's conversion into memory took twice as long on Zen 3 (see
         # numba_rope._cpu.vector._Stream.narrow).
+        # Interleaved rows taken token by token rotate their pairs as they lie (see
+        # numba_rope._cpu.kernels.duplicates_pairs): the difference and the sum merged
+        # into one vaddsubps per 8 lanes on AVX2 (AVX-512 has no 512-bit form).
+        if variant.endswith("token-major interleaved") and cpu not in AVX512:
+            assert counts["vaddsubps"] > 0, f"{cpu} {variant}: the pairs split and merged"
         if variant.startswith("float16") and "streaming" not in variant:
             if cpu not in AVX512_FP16:
                 assert counts["float16 into memory"] == 0, f"{cpu} {variant}: vcvtps2ph to memory"

@@ -23,11 +23,13 @@ from numba_rope._conversions import narrow_like, widen
 from numba_rope._cpu import relay
 from numba_rope._cpu.vector import (
     BFLOAT16_TYPE,
+    pair_rows,
     prefetch_span,
     row,
     store_fence,
     stream_copy,
     vector_pairs,
+    widen_pairs,
     widen_span,
     widen_word_halves,
 )
@@ -127,7 +129,10 @@ def rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign, 
             i1 = np.uint64(2 * pair)
             i2 = np.uint64(2 * pair + 1)
             y1, y2 = rotate_pair(
-                widen(x_row[i1]), widen(x_row[i2]), widen(cos_row[i]), widen(sin_row[i]) * sign
+                widen(x_row[i1]),
+                widen(x_row[i2]),
+                widen(_pair_cache(cos_row, i)),
+                widen(_pair_cache(sin_row, i)) * sign,
             )
             out_row[i1] = narrow_like(y1, out_row)
             out_row[i2] = narrow_like(y2, out_row)
@@ -136,7 +141,10 @@ def rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign, 
             i = np.uint64(pair)
             i2 = np.uint64(pair + half)
             y1, y2 = rotate_pair(
-                widen(x_row[i]), widen(x_row[i2]), widen(cos_row[i]), widen(sin_row[i]) * sign
+                widen(x_row[i]),
+                widen(x_row[i2]),
+                widen(_pair_cache(cos_row, i)),
+                widen(_pair_cache(sin_row, i)) * sign,
             )
             out_row[i] = narrow_like(y1, out_row)
             out_row[i2] = narrow_like(y2, out_row)
@@ -144,6 +152,19 @@ def rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign, 
     for channel in range(copied, x_row.shape[0]):
         i = np.uint64(channel)
         out_row[i] = x_row[i]
+
+
+def _pair_cache(cache_row, i):  # pragma: no cover - see overload
+    """The cache value of pair ``i``: ``cache_row[i]``, or ``cache_row[i, 0]`` of a row
+    of duplicated values (:func:`_token_cache_rows`)."""
+    raise NotImplementedError
+
+
+@overload(_pair_cache, inline="always")
+def _pair_cache_overload(cache_row, i):
+    if cache_row.ndim == 2:
+        return lambda cache_row, i: cache_row[i, np.uint64(0)]
+    return lambda cache_row, i: cache_row[i]
 
 
 @cached_njit()
@@ -221,36 +242,67 @@ def _contiguous_units(
                 )
 
 
-def _cache_scratch(cache, half):  # pragma: no cover - see overload
-    """Room for one token's cos and sin rows in float32 (``(2, half)``) when the caches
-    hold float16, whose rows :func:`_token_units` then widens once for all the token's
-    heads; else None. Made once per range of units (:func:`units`), not per token."""
+def _cache_scratch(x, cache, half, interleaved, words):  # pragma: no cover - see overload
+    """Room for one token's cos and sin rows in float32, made once per range of units
+    (:func:`units`), not per token, which :func:`_token_units` then fills once for all
+    the token's heads (:func:`_token_cache_rows`); else None.
+
+    * Interleaved pairs of float32, float16 or bfloat16 element rows (not the
+      bfloat16 words, whose word holds a pair), caches of those types: ``(2, half,
+      2)``, each value twice (:func:`duplicates_pairs`);
+    * else float16 or bfloat16 caches: ``(2, half)``, the rows widened."""
     raise NotImplementedError
 
 
+def duplicates_pairs(x, cache, interleaved, words) -> bool:
+    """Whether :func:`_token_units` rotates the rows of these numba types through cache
+    rows with each value twice (``(half, 2)``, :func:`_token_cache_rows`): interleaved
+    pairs of float32 or 16-bit element rows, caches of float32 or a 16-bit type
+    (widened exactly), not the bfloat16 words.
+
+    The vector step of such rows (:func:`numba_rope._cpu.vector.vector_pairs`) then
+    multiplies the pairs as they lie by the cos row, and the pairs swapped within
+    themselves (one in-lane shuffle) by the sin row, and takes the difference in even
+    lanes and the sum in odd ones: where it split each vector of pairs into firsts and
+    seconds and merged them back (eight shuffles per 16 elements on AVX2, two of them
+    across 128-bit lanes). The same operations on the same operands, so the same bits."""
+    return (
+        interleaved
+        and not words
+        and x.dtype in (types.float32, types.uint16, BFLOAT16_TYPE)
+        and cache.dtype in (types.float32, types.uint16, BFLOAT16_TYPE)
+    )
+
+
 @overload(_cache_scratch, inline="always")
-def _cache_scratch_overload(cache, half):
+def _cache_scratch_overload(x, cache, half, interleaved, words):
     # The 16-bit storage types: F16C's conversions bound the float16 row loops (six
     # per vector step, two of them the cache's); bfloat16's word loops are bound by
     # their arithmetic, of which widening the cache words is a tenth (four of about
     # forty-four instructions a step).
+    flags = (interleaved, words)
+    if not all(isinstance(flag, types.BooleanLiteral) for flag in flags):
+        return None  # numba asks again with the constants as literals
+    if duplicates_pairs(x, cache, *(flag.literal_value for flag in flags)):
+        return lambda x, cache, half, interleaved, words: np.empty((2, half, 2), np.float32)
     if cache.dtype in (types.uint16, BFLOAT16_TYPE):
-        return lambda cache, half: np.empty((2, half), np.float32)
-    return lambda cache, half: None
+        return lambda x, cache, half, interleaved, words: np.empty((2, half), np.float32)
+    return lambda x, cache, half, interleaved, words: None
 
 
 @cached_njit(inline="always")
-def _no_scratch(cache, half):
+def _no_scratch(x, cache, half, interleaved, words):
     """No scratch: the row loops other than :func:`_token_units` take none."""
     return None
 
 
 def _token_cache_rows(cos_row, sin_row, scratch, interleaved, words):  # pragma: no cover
     """The cache rows a token's heads rotate by: ``cos_row`` and ``sin_row`` as they
-    are, or widened into ``scratch`` (see :func:`_cache_scratch`): in the order the
-    non-interleaved bfloat16 word loop reads them (:func:`widen_word_halves`) for
-    those, else in their own order, and past the vector steps in their own order.
-    Widening is exact, so the bits are those of the rows themselves."""
+    are, or in ``scratch`` (see :func:`_cache_scratch`): each value twice, widened
+    (``(half, 2)`` rows), or widened, in the order the non-interleaved bfloat16 word
+    loop reads them (:func:`widen_word_halves`) for those, else in their own order,
+    and past the vector steps in their own order. Widening is exact, so the bits are
+    those of the rows themselves."""
     raise NotImplementedError
 
 
@@ -258,6 +310,24 @@ def _token_cache_rows(cos_row, sin_row, scratch, interleaved, words):  # pragma:
 def _token_cache_rows_overload(cos_row, sin_row, scratch, interleaved, words):
     if isinstance(scratch, types.NoneType):
         return lambda cos_row, sin_row, scratch, interleaved, words: (cos_row, sin_row)
+    if scratch.ndim == 3:
+
+        def duplicated(cos_row, sin_row, scratch, interleaved, words):
+            half = cos_row.shape[0]
+            cos_pairs = pair_rows(scratch, 0, half)
+            sin_pairs = pair_rows(scratch, 8 * half, half)
+            first, second = np.uint64(0), np.uint64(1)
+            widen_pairs(cos_row, cos_pairs, half)
+            for pair in range(widen_pairs(sin_row, sin_pairs, half), half):
+                i = np.uint64(pair)
+                cos_value, sin_value = widen(cos_row[i]), widen(sin_row[i])
+                cos_pairs[i, first] = cos_value
+                cos_pairs[i, second] = cos_value
+                sin_pairs[i, first] = sin_value
+                sin_pairs[i, second] = sin_value
+            return cos_pairs, sin_pairs
+
+        return duplicated
     flags = (interleaved, words)
     if not all(isinstance(flag, types.BooleanLiteral) for flag in flags):
         return None  # numba asks again with the constants as literals
@@ -310,7 +380,11 @@ def _token_units(
     :func:`_cache_scratch`), instead of in every head's vector steps: F16C's
     conversions bound those steps, six per step with float16 caches and four without
     (float16 decode 0.84-0.95x the time, a bshd (4, 512, 8, 128) 0.88x, one-process
-    A/B). Widening is exact: the bits do not change."""
+    A/B). Widening is exact: the bits do not change. Interleaved rows of float32 and
+    16-bit elements take rows holding each value twice instead (any cache dtype but
+    float64, see :func:`duplicates_pairs`), and rotate their pairs as they lie: on the
+    Zen 3 VM, one thread, float16 decode and bshd calls 0.61-0.75x the time, float32
+    0.89-0.98x (one-process A/B, docs/performance.md, "Twenty-fourth session")."""
     head_size = x.shape[3]
     half = rotary_dim // 2
     for unit in range(first, end):
@@ -549,7 +623,7 @@ def _units_overload(
         interleaved, inverse, words, streaming, contiguous, token_major, first_in_place,
         second_in_place,
     ):  # fmt: skip
-        scratch = scratch_for(cos, rotary_dim // 2)
+        scratch = scratch_for(x, cos, rotary_dim // 2, interleaved, words)
         if k is None:
             if first_own:
                 loop(x, cos, sin, positions, x, rotary_dim, first, end, tile, n_groups,

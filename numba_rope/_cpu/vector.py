@@ -73,6 +73,42 @@ def row(typingctx, array, byte_offset, length):
     return row_type(array, byte_offset, length), codegen
 
 
+@intrinsic
+def pair_rows(typingctx, array, byte_offset, length):
+    """A C-contiguous ``(length, 2)`` array over ``2 * length`` elements of ``array``
+    starting at ``byte_offset`` (see :func:`row`): a cache row whose values stand
+    twice, once for each element of an interleaved pair."""
+    if not isinstance(array, types.Array):
+        return None
+    rows_type = types.Array(array.dtype, 2, "C")
+
+    def codegen(context, builder, signature, args):
+        source = context.make_array(signature.args[0])(context, builder, args[0])
+        offset = context.cast(builder, args[1], signature.args[1], types.intp)
+        address = builder.add(builder.ptrtoint(source.data, ir.IntType(64)), offset)
+        rows = context.make_array(rows_type)(context, builder)
+        itemsize = context.get_constant(
+            types.intp, context.get_abi_sizeof(source.data.type.pointee)
+        )
+        populate_array(
+            rows,
+            data=builder.inttoptr(address, source.data.type),
+            shape=cgutils.pack_array(
+                builder,
+                [
+                    context.cast(builder, args[2], signature.args[2], types.intp),
+                    context.get_constant(types.intp, 2),
+                ],
+            ),
+            strides=cgutils.pack_array(builder, [builder.add(itemsize, itemsize), itemsize]),
+            itemsize=itemsize,
+            meminfo=None,
+        )
+        return rows._getvalue()
+
+    return rows_type(array, byte_offset, length), codegen
+
+
 #: Elements (or 32-bit words) per step of the vector loops, widest first: 16 float32
 #: lanes, AVX-512's width and one 64-byte cache line, then at most one step of 8 for
 #: what is left. The width is not the host's: LLVM splits each vector into the registers
@@ -329,6 +365,25 @@ class _Stream:
         pairs.add_incoming(done, on_block)
         return pairs
 
+    def rotate_in_pairs(self, pairs, cos, sin, sign):
+        """``rotate_pair`` on a vector of interleaved pairs as they lie, ``cos`` and
+        ``sin`` holding each pair's value twice: ``pairs * cos`` minus (even lanes) or
+        plus (odd lanes) ``swapped * sin``, ``swapped`` the pairs with their elements
+        exchanged. Lane ``2i``: ``x1*cos - x2*sin``, lane ``2i + 1``: ``x2*cos +
+        x1*sin``: the operations and operands of :meth:`rotate`, so its bits; the
+        subtraction and the addition merged by one shuffle, which x86 targets fuse
+        into ``vaddsubps``."""
+        builder = self.builder
+        lanes = pairs.type.count
+        sin = builder.fmul(sin, self.splat(sign, lanes))
+        swapped = self.shuffle(pairs, pairs, [lane ^ 1 for lane in range(lanes)])
+        direct, crossed = builder.fmul(pairs, cos), builder.fmul(swapped, sin)
+        return self.shuffle(
+            builder.fsub(direct, crossed),
+            builder.fadd(direct, crossed),
+            [lane if lane % 2 == 0 else lanes + lane for lane in range(lanes)],
+        )
+
     def rotate(self, x1, x2, cos, sin, sign):
         """``rotate_pair`` on vectors: one rounding per operation, no contraction."""
         builder = self.builder
@@ -480,6 +535,7 @@ def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, hal
     ms (one process, ``/tmp/s8/align2.py``, not kept)."""
     if not _stream_typing(x_row, cos_row, sin_row, out_row):
         return None
+    duplicated = cos_row.ndim == 2  # (half, 2) rows, each value twice (see below)
 
     def codegen(context, builder, signature, args, off_line=False):
         (x, cos, sin, out), x_type, cache_type, half, sign = _stream_arguments(
@@ -489,14 +545,18 @@ def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, hal
 
         def load(pair, lanes):
             element = builder.add(pair, pair)
+            index = element if duplicated else pair
+            cache_lanes = 2 * lanes if duplicated else lanes
             return (
                 element,
                 stream.load(x, element, x_type, 2 * lanes),
-                stream.load(cos, pair, cache_type, lanes),
-                stream.load(sin, pair, cache_type, lanes),
+                stream.load(cos, index, cache_type, cache_lanes),
+                stream.load(sin, index, cache_type, cache_lanes),
             )
 
         def rotated(element, pairs, cos_lanes, sin_lanes, lanes):
+            if duplicated:
+                return stream.rotate_in_pairs(pairs, cos_lanes, sin_lanes, sign)
             y1, y2 = stream.rotate(
                 stream.shuffle(pairs, pairs, _firsts(lanes)),
                 stream.shuffle(pairs, pairs, _seconds(lanes)),
@@ -799,6 +859,44 @@ def widen_word_halves(typingctx, source, wide, length):
     for every head. Widening is exact: the bits of
     :func:`~numba_rope._conversions.widen`."""
     return _widening(source, wide, length, (BFLOAT16_TYPE,), halves=True)
+
+
+@intrinsic
+def widen_pairs(typingctx, source, pairs, length):
+    """Widen elements ``[0, n)`` of a contiguous cache row of float32, float16 or
+    bfloat16 storage into the ``(length, 2)`` float32 rows ``pairs``, each value twice
+    (``pairs[i, 0] == pairs[i, 1]``, see :func:`pair_rows`), and return ``n``,
+    ``length`` rounded down to a multiple of 8: steps of :data:`VECTOR_WIDTHS`
+    elements, each vector widened and its lanes doubled by one shuffle. Widening is
+    exact: the bits of :func:`~numba_rope._conversions.widen`."""
+    if not (
+        isinstance(source, types.Array)
+        and source.ndim == 1
+        and source.layout == "C"
+        and source.dtype in _STREAM_TYPES
+        and isinstance(pairs, types.Array)
+        and pairs.ndim == 2
+        and pairs.layout == "C"
+        and pairs.dtype == types.float32
+    ):
+        return None
+
+    def codegen(context, builder, signature, args):
+        source_row = context.make_array(signature.args[0])(context, builder, args[0])
+        pair_row = context.make_array(signature.args[1])(context, builder, args[1])
+        length = context.cast(builder, args[2], signature.args[2], types.intp)
+        stream = _Stream(context, builder)
+        source_type = signature.args[0].dtype
+
+        def step(index, lanes):
+            value = stream.load(source_row, index, source_type, lanes)
+            doubled = stream.shuffle(value, value, [lane // 2 for lane in range(2 * lanes)])
+            pointer = stream.pointer(pair_row, builder.add(index, index), 2 * lanes)
+            builder.store(doubled, pointer).align = 4
+
+        return stream.steps(ir.Constant(stream.intp, 0), length, step)
+
+    return types.intp(source, pairs, length), codegen
 
 
 @intrinsic
