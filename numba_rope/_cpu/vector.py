@@ -44,6 +44,34 @@ from numba_rope._conversions import (
 BFLOAT16_TYPE = numba.from_dtype(BFLOAT16_STORAGE)
 
 
+def _view_code(view_type, pairs):
+    """Code of :func:`row` (``pairs`` False) and :func:`pair_rows` (True): a view of
+    ``view_type`` over an array's memory from a byte offset, no reference count."""
+
+    def codegen(context, builder, signature, args):
+        source = context.make_array(signature.args[0])(context, builder, args[0])
+        offset = context.cast(builder, args[1], signature.args[1], types.intp)
+        address = builder.add(builder.ptrtoint(source.data, ir.IntType(64)), offset)
+        length = context.cast(builder, args[2], signature.args[2], types.intp)
+        itemsize = context.get_constant(
+            types.intp, context.get_abi_sizeof(source.data.type.pointee)
+        )
+        shape = [length, context.get_constant(types.intp, 2)] if pairs else [length]
+        strides = [builder.add(itemsize, itemsize), itemsize] if pairs else [itemsize]
+        view = context.make_array(view_type)(context, builder)
+        populate_array(
+            view,
+            data=builder.inttoptr(address, source.data.type),
+            shape=cgutils.pack_array(builder, shape),
+            strides=cgutils.pack_array(builder, strides),
+            itemsize=itemsize,
+            meminfo=None,
+        )
+        return view._getvalue()
+
+    return codegen
+
+
 @intrinsic
 def row(typingctx, array, byte_offset, length):
     """A C-contiguous 1-D array over ``length`` elements of ``array`` starting at
@@ -52,25 +80,7 @@ def row(typingctx, array, byte_offset, length):
     if not isinstance(array, types.Array):
         return None
     row_type = types.Array(array.dtype, 1, "C")
-
-    def codegen(context, builder, signature, args):
-        source = context.make_array(signature.args[0])(context, builder, args[0])
-        offset = context.cast(builder, args[1], signature.args[1], types.intp)
-        address = builder.add(builder.ptrtoint(source.data, ir.IntType(64)), offset)
-        row = context.make_array(row_type)(context, builder)
-        populate_array(
-            row,
-            data=builder.inttoptr(address, source.data.type),
-            shape=cgutils.pack_array(
-                builder, [context.cast(builder, args[2], signature.args[2], types.intp)]
-            ),
-            strides=cgutils.pack_array(builder, [source.itemsize]),
-            itemsize=source.itemsize,
-            meminfo=None,
-        )
-        return row._getvalue()
-
-    return row_type(array, byte_offset, length), codegen
+    return row_type(array, byte_offset, length), _view_code(row_type, pairs=False)
 
 
 @intrinsic
@@ -81,32 +91,7 @@ def pair_rows(typingctx, array, byte_offset, length):
     if not isinstance(array, types.Array):
         return None
     rows_type = types.Array(array.dtype, 2, "C")
-
-    def codegen(context, builder, signature, args):
-        source = context.make_array(signature.args[0])(context, builder, args[0])
-        offset = context.cast(builder, args[1], signature.args[1], types.intp)
-        address = builder.add(builder.ptrtoint(source.data, ir.IntType(64)), offset)
-        rows = context.make_array(rows_type)(context, builder)
-        itemsize = context.get_constant(
-            types.intp, context.get_abi_sizeof(source.data.type.pointee)
-        )
-        populate_array(
-            rows,
-            data=builder.inttoptr(address, source.data.type),
-            shape=cgutils.pack_array(
-                builder,
-                [
-                    context.cast(builder, args[2], signature.args[2], types.intp),
-                    context.get_constant(types.intp, 2),
-                ],
-            ),
-            strides=cgutils.pack_array(builder, [builder.add(itemsize, itemsize), itemsize]),
-            itemsize=itemsize,
-            meminfo=None,
-        )
-        return rows._getvalue()
-
-    return rows_type(array, byte_offset, length), codegen
+    return rows_type(array, byte_offset, length), _view_code(rows_type, pairs=True)
 
 
 #: Elements (or 32-bit words) per step of the vector loops, widest first: 16 float32
@@ -797,13 +782,15 @@ def vector_pairs(
     return types.intp(*rows, interleaved, words, streaming), codegen
 
 
-def _widening(source, wide, length, sources, halves):
-    """Typing and code of :func:`widen_span` (``halves`` False) and
-    :func:`widen_word_halves` (True): contiguous rows, ``source`` of a storage type in
-    ``sources``, ``wide`` of float32."""
+def _widening(source, wide, length, sources, halves, doubled=False):
+    """Typing and code of :func:`widen_span` (``halves`` False), :func:`widen_word_halves`
+    (True) and :func:`widen_pairs` (``doubled``: ``wide`` of ``(length, 2)``): contiguous
+    rows, ``source`` of a storage type in ``sources``, ``wide`` of float32."""
     rows = (source, wide)
     if not (
         all(isinstance(r, types.Array) and r.layout == "C" for r in rows)
+        and source.ndim == 1
+        and wide.ndim == (2 if doubled else 1)
         and source.dtype in sources
         and wide.dtype == types.float32
     ):
@@ -828,9 +815,14 @@ def _widening(source, wide, length, sources, halves):
             high = builder.add(first, ir.Constant(stream.intp, lanes))
             store(bfloat16_high_code(builder, words), high, lanes)
 
+        def doubled_step(index, lanes):
+            value = stream.load(source_row, index, source_type, lanes)
+            doubled = stream.shuffle(value, value, [lane // 2 for lane in range(2 * lanes)])
+            store(doubled, builder.add(index, index), 2 * lanes)
+
         if halves:
             return stream.steps(ir.Constant(stream.intp, 0), length, halves_step, scale=2)
-        return stream.steps(ir.Constant(stream.intp, 0), length, step)
+        return stream.steps(ir.Constant(stream.intp, 0), length, doubled_step if doubled else step)
 
     return types.intp(source, wide, length), codegen
 
@@ -869,34 +861,7 @@ def widen_pairs(typingctx, source, pairs, length):
     ``length`` rounded down to a multiple of 8: steps of :data:`VECTOR_WIDTHS`
     elements, each vector widened and its lanes doubled by one shuffle. Widening is
     exact: the bits of :func:`~numba_rope._conversions.widen`."""
-    if not (
-        isinstance(source, types.Array)
-        and source.ndim == 1
-        and source.layout == "C"
-        and source.dtype in _STREAM_TYPES
-        and isinstance(pairs, types.Array)
-        and pairs.ndim == 2
-        and pairs.layout == "C"
-        and pairs.dtype == types.float32
-    ):
-        return None
-
-    def codegen(context, builder, signature, args):
-        source_row = context.make_array(signature.args[0])(context, builder, args[0])
-        pair_row = context.make_array(signature.args[1])(context, builder, args[1])
-        length = context.cast(builder, args[2], signature.args[2], types.intp)
-        stream = _Stream(context, builder)
-        source_type = signature.args[0].dtype
-
-        def step(index, lanes):
-            value = stream.load(source_row, index, source_type, lanes)
-            doubled = stream.shuffle(value, value, [lane // 2 for lane in range(2 * lanes)])
-            pointer = stream.pointer(pair_row, builder.add(index, index), 2 * lanes)
-            builder.store(doubled, pointer).align = 4
-
-        return stream.steps(ir.Constant(stream.intp, 0), length, step)
-
-    return types.intp(source, pairs, length), codegen
+    return _widening(source, pairs, length, _STREAM_TYPES, halves=False, doubled=True)
 
 
 @intrinsic
