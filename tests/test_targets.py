@@ -11,7 +11,8 @@ vector steps store every result non-temporally (sapphirerapids, whose AVX512-FP1
 changes how LLVM handles float16 vectors, included); and float16 results for ordinary
 stores are converted into registers, never into memory, on every target but
 sapphirerapids (interleaved rows included, whose 512-bit vectors once aborted LLVM on
-AVX2)."""
+AVX2); interleaved rows taken token by token rotate their pairs as they lie, with
+``vaddsubps`` on AVX2."""
 
 from __future__ import annotations
 
@@ -183,14 +184,14 @@ def test_kernels_compiled_for_other_x86_cpus_contain_no_fma(tmp_path, cpu):
             assert counts["vptestmd"] > 0, f"{cpu} {variant}: no vptestmd"
         if cpu not in AVX512_FP16:
             assert counts["fp16"] == 0, f"{cpu} {variant}: AVX512-FP16 instructions"
-        # float16 results stored with ordinary stores are converted into a register,
-        # then stored: F16C's conversion into memory took twice as long on Zen 3 (see
-        # numba_rope._cpu.vector._Stream.narrow).
         # Interleaved rows taken token by token rotate their pairs as they lie (see
         # numba_rope._cpu.kernels.duplicates_pairs): the difference and the sum merged
         # into one vaddsubps per 8 lanes on AVX2 (AVX-512 has no 512-bit form).
         if variant.endswith("token-major interleaved") and cpu not in AVX512:
             assert counts["vaddsubps"] > 0, f"{cpu} {variant}: the pairs split and merged"
+        # float16 results stored with ordinary stores are converted into a register,
+        # then stored: F16C's conversion into memory took twice as long on Zen 3 (see
+        # numba_rope._cpu.vector._Stream.narrow).
         if variant.startswith("float16") and "streaming" not in variant:
             if cpu not in AVX512_FP16:
                 assert counts["float16 into memory"] == 0, f"{cpu} {variant}: vcvtps2ph to memory"
