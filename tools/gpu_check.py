@@ -45,8 +45,17 @@ def main(argv: list[str] | None = None) -> int:
         from numba_rope import config
 
         config.CUDA_THREADS_PER_BLOCK = 16
-    report, ok = gpu_check.run_check(args.quick, repeats)
-    print(report)
+    if args.out:
+        args.out.write_text("")
+
+    def emit(section: str) -> None:  # each section as it is done: a stopped run keeps it
+        print(section + "\n", flush=True)
+        if args.out:
+            with args.out.open("a") as out:
+                out.write(section + "\n\n")
+
+    report, ok = gpu_check.run_check(args.quick, repeats, emit=emit)
+    print(report.rstrip().rsplit("\n", 1)[-1])  # the total time; the sections are out
     if args.out:
         args.out.write_text(report)
     return 0 if ok else 1

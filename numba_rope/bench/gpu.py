@@ -39,14 +39,23 @@ def cuda() -> Any:
 
 
 class NumbaArrays:
-    """numba-cuda device arrays (in the simulator too)."""
+    """numba-cuda device arrays (in the simulator too). On a GPU numba-cuda copies
+    through the buffer protocol, which NumPy refuses for ml_dtypes' bfloat16 ("cannot
+    include dtype 'E' in a buffer"): bfloat16 travels as its ``uint16`` bits, viewed
+    back on either side (the README's recipe)."""
 
     name = "numba"
 
     def to_device(self, a):
-        return None if a is None else cuda().to_device(a)
+        if a is None:
+            return None
+        if a.dtype == BFLOAT16:
+            return cuda().to_device(np.ascontiguousarray(a).view(np.uint16)).view(BFLOAT16)
+        return cuda().to_device(a)
 
     def to_host(self, d) -> np.ndarray:
+        if d.dtype == BFLOAT16:
+            return d.view(np.uint16).copy_to_host().view(BFLOAT16)
         return d.copy_to_host()
 
 
@@ -122,9 +131,14 @@ def libraries() -> list:
     return found
 
 
-def gpu_milliseconds(call: Callable[[], object], repeats: int, warmup: int = 3) -> float:
-    """Median over ``repeats`` runs, each timed with a pair of CUDA events on the default
-    stream (wall clock in the simulator, where events do not time)."""
+def gpu_milliseconds(
+    call: Callable[[], object], repeats: int, warmup: int = 3, batch: int = 1
+) -> float:
+    """Median over ``repeats`` timings of ``batch`` back-to-back calls, each timing a pair of
+    CUDA events on the default stream around the batch, divided by ``batch`` (wall clock
+    in the simulator, where events do not time). A batch lets the host queue launches
+    ahead of the GPU, so that a large kernel's time is not its host dispatch's; a call
+    whose host work outlasts its kernel is timed as what a loop of such calls costs."""
     numba_cuda = cuda()
     for _ in range(warmup):
         call()
@@ -133,13 +147,15 @@ def gpu_milliseconds(call: Callable[[], object], repeats: int, warmup: int = 3) 
     for _ in range(repeats):
         if simulator():
             start_s = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - start_s) * 1e3)
+            for _ in range(batch):
+                call()
+            times.append((time.perf_counter() - start_s) * 1e3 / batch)
             continue
         start, end = numba_cuda.event(), numba_cuda.event()
         start.record()
-        call()
+        for _ in range(batch):
+            call()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / batch)
     return statistics.median(times)

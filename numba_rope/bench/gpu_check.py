@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ import numpy as np
 import numba_rope
 from numba_rope.bench.checks import compare
 from numba_rope.bench.gpu import (
+    NumbaArrays,
     TorchArrays,
     cuda,
     gpu_milliseconds,
@@ -34,6 +36,8 @@ from numba_rope.bench.workloads import as_dtype, make_arrays
 CHECK_DTYPES = ("float32", "float16", "bfloat16", "float64")
 TARGET_COPY_FRACTION = 0.85
 TARGET_HOST_US = 20.0
+#: Calls timed back to back between one pair of CUDA events (see ``gpu_milliseconds``).
+BATCH = 10
 
 # -- 1. correctness --------------------------------------------------------------------------
 
@@ -47,41 +51,78 @@ def _ok(ok: bool) -> str:
     return "ok" if ok else "FAILED"
 
 
+def _variants(lib, rng, shape, dtype_name: str) -> tuple[float, float, int]:
+    """Every interleaved x rotary_dim x position-id variant of one dtype: GPU against CPU."""
+    worst, same, n = 0.0, 1.0, 0
+    for interleaved in (False, True):
+        for rotary_dim in (0, shape[3] // 2):
+            for with_ids in (True, False):
+                x, cos, sin, ids = make_arrays(
+                    rng, shape, dtype_name, rotary_dim=rotary_dim, position_ids=with_ids
+                )
+                kwargs: dict[str, Any] = {
+                    "interleaved": interleaved,
+                    "rotary_embedding_dim": rotary_dim,
+                }
+                want = numba_rope.rotary_embedding(x, cos, sin, ids, **kwargs)
+                got = numba_rope.rotary_embedding(
+                    *(lib.to_device(a) for a in (x, cos, sin, ids)), **kwargs
+                )
+                error, equal = compare(lib.to_host(got), want, x, cos, sin, dtype_name)
+                worst, same, n = max(worst, error), min(same, equal), n + 1
+    return worst, same, n
+
+
+def _guarded(check: str, lib, dtype_name: str, what: str, measure, *args) -> tuple[list, bool]:
+    """One row of the table: ``measure(*args)``'s worst error, or the exception it raised
+    (the rows after it still run)."""
+    try:
+        worst, same, n = measure(*args)
+    except Exception as error:  # the table says what broke, and goes on
+        text = f"raised {type(error).__name__}: {error}".replace("\n", " ").replace("|", "/")
+        return [check, lib.name, dtype_name, text[:400], "", "", _ok(False)], False
+    return _row(check, lib, dtype_name, what.format(n=n), worst, same), worst <= 1.0
+
+
 def check_correctness(quick: bool, rng) -> tuple[list[list[str]], bool]:
     """Every dtype x interleaved x rotary_dim x position-id variant, the features and the
     errors, through every array library: GPU against CPU, within one eps at scale."""
     shape = (1, 2, 3, 8) if quick else (2, 8, 33, 128)
-    head_size = shape[3]
     rows, all_ok = [], True
     for lib in libraries():
         for dtype_name in CHECK_DTYPES:
-            worst, same, n = 0.0, 1.0, 0
-            for interleaved in (False, True):
-                for rotary_dim in (0, head_size // 2):
-                    for with_ids in (True, False):
-                        x, cos, sin, ids = make_arrays(
-                            rng, shape, dtype_name, rotary_dim=rotary_dim, position_ids=with_ids
-                        )
-                        kwargs: dict[str, Any] = {
-                            "interleaved": interleaved,
-                            "rotary_embedding_dim": rotary_dim,
-                        }
-                        want = numba_rope.rotary_embedding(x, cos, sin, ids, **kwargs)
-                        got = numba_rope.rotary_embedding(
-                            *(lib.to_device(a) for a in (x, cos, sin, ids)), **kwargs
-                        )
-                        error, equal = compare(lib.to_host(got), want, x, cos, sin, dtype_name)
-                        worst, same, n = max(worst, error), min(same, equal), n + 1
-            all_ok &= worst <= 1.0
-            rows.append(
-                _row("correctness", lib, dtype_name, f"{n} variants, shape {shape}", worst, same)
+            row, ok = _guarded(
+                "correctness",
+                lib,
+                dtype_name,
+                f"{{n}} variants, shape {shape}",
+                _variants,
+                lib,
+                rng,
+                shape,
+                dtype_name,
             )
+            rows.append(row)
+            all_ok &= ok
         for dtype_name in ("float32", "bfloat16"):
-            worst, same, n = check_features(lib, rng, quick, as_dtype(dtype_name), dtype_name)
-            all_ok &= worst <= 1.0
-            what = f"{n} calls: bshd, 3-D, offsets, inverse, fused q+k"
-            rows.append(_row("features", lib, dtype_name, what, worst, same))
-        ok, detail = check_errors(lib, rng)
+            row, ok = _guarded(
+                "features",
+                lib,
+                dtype_name,
+                "{n} calls: bshd, 3-D, offsets, inverse, fused q+k",
+                check_features,
+                lib,
+                rng,
+                quick,
+                as_dtype(dtype_name),
+                dtype_name,
+            )
+            rows.append(row)
+            all_ok &= ok
+        try:
+            ok, detail = check_errors(lib, rng)
+        except Exception as error:  # as in _guarded
+            ok, detail = False, f"raised {type(error).__name__}: {error}".replace("\n", " ")[:400]
         all_ok &= ok
         rows.append(["errors", lib.name, "float32", detail, "", "", _ok(ok)])
     return rows, all_ok
@@ -181,16 +222,17 @@ def bandwidth(quick: bool, rng, repeats: int) -> list[list[str]]:
                 )
             else:
                 arrays = make_arrays(rng, shape, dtype_name, n_positions=n_positions)
-            rows.append(_bandwidth_row(kind, shape, dtype_name, arrays, repeats, torch))
+            batch = 1 if quick else BATCH
+            rows.append(_bandwidth_row(kind, shape, dtype_name, arrays, repeats, batch, torch))
             del arrays
             gc.collect()
     return rows
 
 
-def _bandwidth_row(kind, shape, dtype_name, arrays, repeats: int, torch) -> list[str]:
+def _bandwidth_row(kind, shape, dtype_name, arrays, repeats: int, batch: int, torch) -> list[str]:
     x, cos, _, ids = arrays
     numba_cuda = cuda()
-    dx, dcos, dsin, dids = (numba_cuda.to_device(a) for a in arrays)
+    dx, dcos, dsin, dids = (NumbaArrays().to_device(a) for a in arrays)
     dout = numba_cuda.device_array_like(dx)
     rows_read = len(np.unique(ids))
     moved = 2 * x.nbytes + ids.nbytes + 2 * rows_read * cos.shape[1] * cos.itemsize
@@ -207,15 +249,17 @@ def _bandwidth_row(kind, shape, dtype_name, arrays, repeats: int, torch) -> list
     def copy():
         destination.copy_to_device(source)
 
-    rope_ms = gpu_milliseconds(rope, repeats)
-    checked_ms = gpu_milliseconds(rope_checked, repeats)
-    copy_ms = gpu_milliseconds(copy, repeats)
+    rope_ms = gpu_milliseconds(rope, repeats, batch=batch)
+    checked_ms = gpu_milliseconds(rope_checked, repeats, batch=batch)
+    copy_ms = gpu_milliseconds(copy, repeats, batch=batch)
     rope_gbs, copy_gbs = moved / rope_ms / 1e6, 2 * x.nbytes / copy_ms / 1e6
     torch_text, speedup = "n/a", "n/a"
     if torch is not None:
         tx, tcos, tsin, tids = (TorchArrays("cuda").to_device(a) for a in arrays)
         torch_ms = gpu_milliseconds(
-            lambda: torch_rope(torch, tx, tcos, tsin, tids, False, shape[3]), repeats
+            lambda: torch_rope(torch, tx, tcos, tsin, tids, False, shape[3]),
+            repeats,
+            batch=batch,
         )
         torch_text, speedup = f"{torch_ms * 1e3:.1f}", f"{torch_ms / rope_ms:.2f}x"
     fraction = rope_gbs / copy_gbs
@@ -296,33 +340,69 @@ def describe_machine() -> str:
     return f"Device: {device}. " + ", ".join(parts) + "."
 
 
-def run_check(quick: bool, repeats: int, seed: int = 2026) -> tuple[str, bool]:
-    """The markdown report of the three checks, and whether every correctness check passed."""
+def _section(title: str, build: Callable[[], tuple[str, bool]]) -> tuple[str, bool]:
+    """One section of the report; an exception becomes the section's text (its last
+    lines of traceback) and a failure, so that the sections after it still run."""
+    began = time.perf_counter()
+    try:
+        body, ok = build()
+    except Exception:  # the report says what broke and goes on with the next section
+        lines = traceback.format_exc().strip().splitlines()
+        body, ok = (
+            "ERROR (the check raised):\n\n```text\n" + "\n".join(lines[-12:]) + "\n```",
+            False,
+        )
+    return f"### {title}\n\n{body}\n\n({time.perf_counter() - began:.0f} s)", ok
+
+
+def run_check(
+    quick: bool, repeats: int, seed: int = 2026, emit: Callable[[str], object] | None = None
+) -> tuple[str, bool]:
+    """The markdown report of the three checks, and whether every correctness check passed
+    and no section raised. ``emit`` gets each section as soon as it is done (a long run
+    stopped half-way keeps what it measured)."""
     rng = np.random.default_rng(seed)
     began = time.perf_counter()
-    correctness_rows, ok = check_correctness(quick, rng)
-    bandwidth_header = ["case", "shape", "dtype", "rope us", "rope us (checked)", "rope GB/s"]
-    bandwidth_header += ["copy GB/s", "of copy", f">= {TARGET_COPY_FRACTION:.0%}"]
-    bandwidth_header += ["torch eager us", "speedup vs torch"]
-    sections = [
-        describe_machine(),
-        "### Correctness against the CPU\n\n"
-        "Worst |GPU - CPU| over all variants, in units of eps(dtype) x max|x| x max(|cos|+|sin|); "
-        "1 is one unit in the last place at the scale of the data.\n\n"
-        + markdown_table(
-            ["check", "arrays", "dtype", "variants", "worst error", "bitwise equal", "result"],
-            correctness_rows,
-        ),
-        "### Bandwidth\n\n"
-        "Median of CUDA-event timings after warm-up. GB/s counts bytes read + written "
-        "(input, output, ids, cache rows used); the copy moves the input's bytes device to "
-        "device. 'checked' includes the position-id check and its read-back.\n\n"
-        + markdown_table(bandwidth_header, bandwidth(quick, rng, repeats)),
-        "### Host cost per call (tiny input (1, 1, 4, 64), float32)\n\n"
-        + markdown_table(
-            ["arrays", "call", "us per call", f"< {TARGET_HOST_US:.0f} us"],
-            host_cost(quick, rng),
-        ),
-        f"Total time of this check: {time.perf_counter() - began:.0f} s.",
+
+    def correctness() -> tuple[str, bool]:
+        rows, ok = check_correctness(quick, rng)
+        header = ["check", "arrays", "dtype", "variants", "worst error", "bitwise equal"]
+        return (
+            "Worst |GPU - CPU| over all variants, in units of eps(dtype) x max|x| x "
+            "max(|cos|+|sin|); 1 is one unit in the last place at the scale of the data.\n\n"
+            + markdown_table([*header, "result"], rows),
+            ok,
+        )
+
+    def bandwidth_section() -> tuple[str, bool]:
+        header = ["case", "shape", "dtype", "rope us", "rope us (checked)", "rope GB/s"]
+        header += ["copy GB/s", "of copy", f">= {TARGET_COPY_FRACTION:.0%}"]
+        header += ["torch eager us", "speedup vs torch"]
+        return (
+            f"Median of CUDA-event timings after warm-up, each over {BATCH} calls back to "
+            "back (1 with quick). GB/s counts bytes read + written (input, output, ids, "
+            "cache rows used); the copy moves the input's bytes device to device. "
+            "'checked' includes the position-id check and its read-back.\n\n"
+            + markdown_table(header, bandwidth(quick, rng, repeats)),
+            True,
+        )
+
+    def host_section() -> tuple[str, bool]:
+        header = ["arrays", "call", "us per call", f"< {TARGET_HOST_US:.0f} us"]
+        return markdown_table(header, host_cost(quick, rng)), True
+
+    sections, all_ok = [], True
+    parts: list[tuple[str, Callable[[], tuple[str, bool]]]] = [
+        ("Machine", lambda: (describe_machine(), True)),
+        ("Correctness against the CPU", correctness),
+        ("Bandwidth", bandwidth_section),
+        ("Host cost per call (tiny input (1, 1, 4, 64), float32)", host_section),
     ]
-    return "\n\n".join(sections) + "\n", ok
+    for title, build in parts:
+        text, ok = _section(title, build)
+        all_ok &= ok
+        sections.append(text)
+        if emit is not None:
+            emit(text)
+    sections.append(f"Total time of this check: {time.perf_counter() - began:.0f} s.")
+    return "\n\n".join(sections) + "\n", all_ok
