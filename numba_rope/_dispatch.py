@@ -111,7 +111,7 @@ def backend_for(arrays: tuple[Any, ...], names: tuple[str, ...], stream: Any = N
     )
     if device == "cpu":  # NumPy arrays (torch CPU tensors are seen through before)
         return cpu_backend
-    require_jit()  # without the JIT, _rotation.rotate_pair is Python: no CUDA kernel can call it
+    require_jit()  # without the JIT, the kernels' device functions are Python: none compiles
     from numba_rope._cuda.backend import CudaBackend
 
     return CudaBackend(arrays, names, libraries, stream)

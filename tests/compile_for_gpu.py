@@ -3,7 +3,8 @@
 The CUDA simulator runs kernels as Python, so it never type-checks them the way
 numba-cuda does for a device. This script does, with NVVM alone (a CUDA toolkit's
 libnvvm and libdevice; no driver, no GPU): it compiles each specialisation that
-``rotary_embedding`` can launch for compute capability 9.0. Run by
+``rotary_embedding`` can launch for compute capability 9.0, and checks that the rope
+kernels' PTX rounds each product on its own (no FMA: the CPU's bits). Run by
 ``tests/test_rotary_cuda.py`` in a subprocess (the simulator must be off); exit code 77
 means the toolkit is missing.
 
@@ -30,6 +31,26 @@ def _patch_numba_cuda() -> None:
     dispatcher.get_current_device = lambda: device
     nvrtc.get_arch_option = lambda major, minor: f"compute_{major}{minor}"
     cuda_paths._get_nvrtc_path = lambda: cuda_paths._env_path_tuple("none", None)
+
+
+def _check_no_contraction(ptx: str, name: str) -> None:
+    """The kernel's products are rounded on their own, as on the CPU: no FMA, and every
+    floating-point multiplication carries ``.rn``, which ptxas does not contract (a bare
+    ``mul.f32`` next to an ``add.f32`` may become an FFMA in the machine code)."""
+    fused = [line.strip() for line in ptx.splitlines() if line.strip().startswith("fma.")]
+    bare = [
+        line.strip()
+        for line in ptx.splitlines()
+        if line.strip().startswith(("mul.f32", "mul.f64", "mul.ftz.f32"))
+    ]
+    rounded = sum(
+        line.strip().startswith(("mul.rn.f32", "mul.rn.f64")) for line in ptx.splitlines()
+    )
+    if fused or bare or rounded < 4:
+        raise AssertionError(
+            f"{name}: {len(fused)} FMA ({fused[:2]}), {len(bare)} contractible products "
+            f"({bare[:2]}), {rounded} products rounded on their own (4 or more wanted)"
+        )
 
 
 def main() -> int:
@@ -93,7 +114,8 @@ def main() -> int:
                 types.int64,
                 compute,
             )
-            cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
+            ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
+            _check_no_contraction(ptx, f"{input_dtype}/{cache_dtype}/{kind}")
             compiled += 1
         for ids in (types.int64, types.uint64, types.int32):
             flag = types.Array(types.int64, 1, "C")

@@ -3,6 +3,7 @@ import os
 import shutil
 import sys
 import threading
+import warnings
 
 
 def _has_nvidia_gpu() -> bool:
@@ -29,6 +30,8 @@ from oracles import (  # noqa: E402
     BFLOAT16,
     assert_bitwise_equal,
     float32_contract,
+    to_gpu,
+    to_host,
     ulp_of,
 )
 
@@ -127,8 +130,14 @@ def parallel_always(monkeypatch):
 @pytest.fixture
 def small_cuda_launches(monkeypatch):
     """Shrink the CUDA launch so that tiny inputs span several blocks, several head
-    groups (one of them partial) and several turns of every grid-stride loop."""
+    groups (one of them partial) and several turns of every grid-stride loop. On a GPU
+    numba-cuda warns of low occupancy for such grids (of fewer than 128 blocks, which
+    the default launch never uses: test_rotary_cuda.py checks that); the test ignores
+    that warning alone (pytest restores the filters after each test)."""
     from numba_rope import config
+
+    # numba-cuda's message starts with a terminal's bold code: match anywhere in it.
+    warnings.filterwarnings("ignore", r".*Grid size \d+ will likely result in GPU under-utili")
 
     monkeypatch.setattr(config, "CUDA_THREADS_PER_BLOCK", 4)
     monkeypatch.setattr(config, "CUDA_HEADS_PER_THREAD", 2)
@@ -158,12 +167,6 @@ class Device:
     def __iter__(self):
         return iter((self.on, self.off))
 
-    @property
-    def exact(self) -> bool:
-        """Results equal the float32 contract bit for bit: on the CPU and in the CUDA
-        simulator; on a GPU ptxas may contract into FMA."""
-        return self.name == "cpu" or simulator()
-
     def views(self, host_base, *host_views):
         """``(base, *views)``: ``host_base`` and views into it (any strides, any dtype
         over the same bytes) on this device: the host arrays themselves on the CPU, else
@@ -182,13 +185,9 @@ class Device:
 
 
 def _gpu_movers(request) -> Device:
-    cuda = pytest.importorskip("numba.cuda")
+    pytest.importorskip("numba.cuda")
     request.getfixturevalue("small_cuda_launches")
-
-    def to_gpu(a):
-        return cuda.to_device(np.ascontiguousarray(a)) if isinstance(a, np.ndarray) else a
-
-    return Device("gpu", to_gpu, lambda d: d.copy_to_host())
+    return Device("gpu", to_gpu, to_host)
 
 
 @pytest.fixture(params=DEVICES)
@@ -212,7 +211,7 @@ def gpu_views(host_base: np.ndarray, *host_views: np.ndarray):
     the same bytes): the same offsets and strides over that copy."""
     from numba import cuda
 
-    base = cuda.to_device(host_base)
+    base = to_gpu(host_base)
     return (base, *(_gpu_view(cuda, base, host_base, view) for view in host_views))
 
 
@@ -242,22 +241,10 @@ def _gpu_view(cuda, base, host_base: np.ndarray, host_view: np.ndarray):
 
 
 def assert_matches_contract(got, x, cos, sin, ids=None, interleaved=False, rotary_dim=0):
-    """A GPU result: bit for bit in the simulator; on a GPU within one unit in the last
-    place of the output dtype at the scale of the terms (FMA contraction)."""
+    """A GPU result: the float32 contract bit for bit, in the simulator and on a GPU (the
+    kernels round each product on their own: no FMA)."""
     want = float32_contract(x, cos, sin, ids, interleaved, rotary_dim)
-    if simulator():
-        assert_bitwise_equal(got, want)
-    else:
-        assert got.dtype == want.dtype and got.shape == want.shape
-        g, w = got.astype(np.float64), want.astype(np.float64)
-        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
-        finite = np.isfinite(w)
-        np.testing.assert_array_equal(g[~finite & ~np.isnan(w)], w[~finite & ~np.isnan(w)])
-        scale = (
-            np.abs(x.astype(np.float64)).max()
-            * (np.abs(cos.astype(np.float64)) + np.abs(sin.astype(np.float64))).max()
-        )
-        assert np.abs(g[finite] - w[finite]).max(initial=0) <= ulp_of(x.dtype) * scale
+    assert_bitwise_equal(got, want)
     # And within the rounding of the format from the float64 reference.
     from numba_rope import reference
 

@@ -17,8 +17,9 @@ ufuncs). numba_rope's CPU results are asserted bit for bit against the contract 
 so a tolerance between them and the float64 reference is checked on the same numbers
 everywhere. What can vary by CPU are the peers: onnxruntime's kernels and NumPy's
 complex64 multiply (AVX-512 builds use FMA, one rounding less); their tolerances say
-so where they are used. On a real GPU ptxas contracts into FMA:
-``conftest.assert_matches_contract`` allows one unit in the last place there.
+so where they are used. GPU results are held to the contract bit for bit too: the CUDA
+kernels round each product on their own (``fmul_rn``), which nothing contracts into an
+FMA (``tests/compile_for_gpu.py`` checks the PTX).
 
 Test infrastructure that is not an oracle comes from :mod:`numba_rope.bench`, shared with
 the benchmarks and the GPU check: :func:`make_case` (its case maker) and :func:`ulp_of`
@@ -100,6 +101,32 @@ def tensorrt_reference(
     else:
         x = np.concatenate((np.real(x), np.imag(x)), axis=-1)
     return np.concatenate((x, x_not_rotate), axis=-1)
+
+
+def to_gpu(a):
+    """A NumPy array as a Numba device array (anything else as it is). On a GPU
+    numba-cuda copies through the buffer protocol, which NumPy refuses for ml_dtypes'
+    bfloat16 ("cannot include dtype 'E' in a buffer"; the simulator copies without
+    it): bfloat16 travels as its ``uint16`` bits and is viewed back."""
+    if not isinstance(a, np.ndarray):
+        return a
+    from numba import cuda
+
+    if not (a.flags.c_contiguous or a.flags.f_contiguous):
+        a = np.ascontiguousarray(a)  # a base array keeps its layout (conftest.gpu_views)
+    if a.dtype.type is BFLOAT16.type:  # either byte order
+        bits = np.dtype(np.uint16).newbyteorder(a.dtype.byteorder)
+        return cuda.to_device(a.view(bits)).view(a.dtype)
+    return cuda.to_device(a)
+
+
+def to_host(d) -> np.ndarray:
+    """A Numba device array as a NumPy array (bfloat16 through its bits, as in
+    :func:`to_gpu`)."""
+    if d.dtype.type is BFLOAT16.type:
+        bits = np.dtype(np.uint16).newbyteorder(d.dtype.byteorder)
+        return d.view(bits).copy_to_host().view(d.dtype)
+    return d.copy_to_host()
 
 
 def bits(a: np.ndarray) -> np.ndarray:

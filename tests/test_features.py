@@ -304,7 +304,7 @@ def test_qk_in_place_on_views_of_one_fused_qkv(rng, device, layout):
         for i in range(2)
     ]
     device_qkv = on(qkv)
-    q, k = device_qkv[..., :head], device_qkv[..., head : 2 * head]
+    q, k = device_qkv[:, :, :, :head], device_qkv[:, :, :, head : 2 * head]  # numba: no ...
     numba_rope.rotary_embedding_qk(
         q, k, on(cos), on(sin), position_offset=3, layout=layout, out_q=q, out_k=k
     )

@@ -5,10 +5,9 @@ promises of both devices are in test_rotary.py.
 
 On a machine with an NVIDIA GPU these run on it; elsewhere in numba's CUDA simulator
 (see conftest.py), on tiny shapes with launches shrunk so that several blocks, head
-groups and grid-stride turns are exercised. In the simulator results must equal the
-float32 contract bit for bit; on a GPU within one unit in the last place of the output
-dtype at the scale of the data (ptxas may contract into FMA). The CuPy and torch tests
-run where those libraries and a GPU are present.
+groups and grid-stride turns are exercised. Results must equal the float32 contract bit
+for bit, in the simulator and on a GPU alike (the kernels round each product on their
+own: no FMA). The CuPy and torch tests run where those libraries and a GPU are present.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +27,8 @@ from oracles import (
     assert_bitwise_equal,
     float32_contract,
     make_case,
+    to_gpu,
+    to_host,
 )
 
 import numba_rope
@@ -60,14 +62,6 @@ needs_torch = pytest.mark.skipif(
 # -- moving arrays ----------------------------------------------------------------------
 
 
-def to_gpu(a):
-    return None if a is None else cuda.to_device(a)
-
-
-def to_host(d) -> np.ndarray:
-    return d.copy_to_host()
-
-
 def test_default_launch_configuration(rng, gpu, monkeypatch):
     from numba_rope import config
 
@@ -79,6 +73,49 @@ def test_default_launch_configuration(rng, gpu, monkeypatch):
         to_gpu(x), to_gpu(cos), to_gpu(sin), to_gpu(ids), rotary_embedding_dim=12
     )
     gpu.assert_contract(to_host(got), x, cos, sin, ids, rotary_dim=12)
+
+
+def test_a_tiny_call_with_the_default_launch_warns_of_nothing(rng, gpu, monkeypatch):
+    """numba-cuda warns of low occupancy for grids under 128 blocks (on a GPU; the
+    simulator never warns): the default launch pads its grids, so that a caller running
+    with warnings as errors can make small calls (the check, the kernel, the copy)."""
+    from numba_rope import config
+
+    monkeypatch.setattr(config, "CUDA_THREADS_PER_BLOCK", 256)
+    monkeypatch.setattr(config, "CUDA_MAX_BLOCKS", 65535)
+    x, cos, sin, ids = make_case(rng, (1, 1, 2, 8), np.float32)
+    base = cuda.to_device(np.concatenate([x.ravel(), np.zeros(4, np.float32)]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # before this module's ignore filter
+        got = numba_rope.rotary_embedding(to_gpu(x), to_gpu(cos), to_gpu(sin), to_gpu(ids))
+        gpu_x = base[:16].reshape(x.shape)  # an output two elements on: a copy first
+        shifted = numba_rope.rotary_embedding(
+            gpu_x, to_gpu(cos), to_gpu(sin), to_gpu(ids), out=base[2:18].reshape(x.shape)
+        )
+    for result in (got, shifted):
+        gpu.assert_contract(to_host(result), x, cos, sin, ids)
+
+
+def test_grids_padded_to_the_minimum_give_the_same_results(rng, gpu, monkeypatch):
+    """Blocks past the work (the padding of small grids on a GPU) find nothing to do, in
+    the kernel and in the position check; the padding stays within CUDA_MAX_BLOCKS."""
+    from numba_rope import config
+    from numba_rope._cuda import backend
+
+    monkeypatch.setattr(config, "CUDA_MAX_BLOCKS", 65535)
+    monkeypatch.setattr(backend, "MIN_GRID_BLOCKS", 13)
+    (grid_x, grid_y), _ = backend._grid(n_tokens=2, n_slots=4, n_groups=2)
+    assert grid_y == 2 and grid_x * grid_y >= 13  # padded on x
+    monkeypatch.setattr(config, "CUDA_MAX_BLOCKS", 5)
+    assert backend._grid(n_tokens=2, n_slots=4, n_groups=2)[0] == (5, 2)  # the limit holds
+    monkeypatch.setattr(config, "CUDA_MAX_BLOCKS", 65535)
+    x, cos, sin, ids = make_case(rng, (2, 3, 5, 8), np.float32, rotary_dim=6, n_positions=7)
+    args = (to_gpu(x), to_gpu(cos), to_gpu(sin))
+    got = numba_rope.rotary_embedding(*args, to_gpu(ids), rotary_embedding_dim=6)
+    gpu.assert_contract(to_host(got), x, cos, sin, ids, rotary_dim=6)
+    ids[1, 3], ids[1, 4] = 7, -1  # the first bad id is found among padded blocks
+    with pytest.raises(IndexError, match=r"position_ids\[1, 3\] = 7"):
+        numba_rope.rotary_embedding(*args, to_gpu(ids), rotary_embedding_dim=6)
 
 
 _widen_bfloat16 = numba_rope_cuda._bfloat16_bits_to_float32
@@ -149,8 +186,7 @@ def test_skipping_the_check_fills_bad_rows_with_nan(rng, dtype):
         float32_contract(x, cos, sin, good_ids, False, 8).astype(np.float64).transpose(0, 2, 1, 3)
     )
     assert not np.isnan(as_float[~bad]).any()
-    if SIMULATOR:
-        np.testing.assert_array_equal(as_float[~bad], want[~bad])
+    np.testing.assert_array_equal(as_float[~bad], want[~bad])
 
 
 def test_cpu_ignores_the_skip_switch_and_still_checks():

@@ -101,14 +101,8 @@ def assert_close_to_oracle(got, want, x, cos_sin_cache):
 
 
 def assert_contract(device, got, want, x, cos_sin_cache):
-    """Bit for bit on the CPU and in the simulator; one unit at the terms' scale on a GPU."""
-    if device.exact:
-        assert_bitwise_equal(got, want)
-    else:  # pragma: no cover - a real GPU
-        atol = ulp_of(got.dtype) * scale_of(x, cos_sin_cache)
-        np.testing.assert_allclose(
-            got.astype(np.float64), want.astype(np.float64), rtol=0, atol=atol
-        )
+    """Bit for bit, on every device."""
+    assert_bitwise_equal(got, want)
 
 
 def make_cache(max_position, rotary_dim, dtype):

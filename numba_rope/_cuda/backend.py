@@ -44,6 +44,13 @@ name = "cuda"
 #: default limit on x; ``config.CUDA_MAX_BLOCKS`` may lower both.
 _HARDWARE_MAX_BLOCKS = 65535
 
+#: Fewest blocks a launch gets on a GPU (where ``config.CUDA_MAX_BLOCKS`` allows): numba-cuda
+#: warns of low occupancy (``NumbaPerformanceWarning``) for any grid of fewer, and a
+#: caller running with warnings as errors would have small calls raise. Blocks past the
+#: work find none in their grid-stride loops and exit. In the simulator (no such
+#: warning; a Python thread per simulated thread) launches take only what they need.
+MIN_GRID_BLOCKS = 1 if SIMULATOR else 128
+
 #: On the GPU float16 is native; bfloat16 travels as its bits.
 _GPU_STORAGE = {"bfloat16": np.dtype(np.uint16)}
 
@@ -358,21 +365,29 @@ def _views_intersect(a: Any, b: Any) -> bool:
     return spans_meet(byte_extent(a), byte_extent(b))
 
 
+def _max_blocks() -> int:
+    return max(1, min(int(config.CUDA_MAX_BLOCKS), _HARDWARE_MAX_BLOCKS))
+
+
+def _blocks(needed: int, other: int = 1) -> int:
+    """Blocks on x for ``needed`` blocks of work, when the other dimension has ``other``:
+    at least enough for :data:`MIN_GRID_BLOCKS` in all, at most the configured limit."""
+    return min(max(needed, _cdiv(MIN_GRID_BLOCKS, other)), _max_blocks())
+
+
 def _grid(n_tokens: int, n_slots: int, n_groups: int):
     threads = max(1, int(config.CUDA_THREADS_PER_BLOCK))
-    max_blocks = max(1, min(int(config.CUDA_MAX_BLOCKS), _HARDWARE_MAX_BLOCKS))
     slot_threads = min(threads, max(1, n_slots))
     token_threads = max(1, threads // slot_threads)
-    grid = (min(_cdiv(n_tokens, token_threads), max_blocks), min(n_groups, max_blocks))
+    groups = min(n_groups, _max_blocks())
+    grid = (_blocks(_cdiv(n_tokens, token_threads), groups), groups)
     return grid, (slot_threads, token_threads)
 
 
 def copy(source, destination, stream) -> None:
     """Strided device-to-device copy of 4-D arrays (used when an output overlaps an input)."""
-    n = source.size
     threads = max(1, int(config.CUDA_THREADS_PER_BLOCK))
-    blocks = max(1, min(_cdiv(n, threads), int(config.CUDA_MAX_BLOCKS), _HARDWARE_MAX_BLOCKS))
-    copy_cuda[blocks, threads, stream](source, destination)
+    copy_cuda[_blocks(_cdiv(source.size, threads)), threads, stream](source, destination)
 
 
 # -- position-id check: one tiny kernel, one read-back ---------------------------------
@@ -401,8 +416,11 @@ def first_bad_position(position_ids, n_positions: int, stream, ordinal=None) -> 
     if n_ids == 0:
         return -1
     flag, host = _flag_buffers(ordinal)
+    host[0] = n_ids  # "none found", for the blocks to lower
+    flag.copy_to_device(host, stream=stream)
     threads = max(1, min(int(config.CUDA_THREADS_PER_BLOCK), 1024, n_ids))
-    first_bad_position_cuda[1, threads, stream](position_ids, n_positions, flag)
+    blocks = _blocks(_cdiv(n_ids, threads))
+    first_bad_position_cuda[blocks, threads, stream](position_ids, n_positions, flag)
     flag.copy_to_host(host, stream=stream)
     stream.synchronize()
     flat = int(host[0])
@@ -412,6 +430,7 @@ def first_bad_position(position_ids, n_positions: int, stream, ordinal=None) -> 
 # -- streams -----------------------------------------------------------------------------
 
 _streams: dict[tuple[Any, int], Any] = {}
+_default_streams: set[int] = set()  # ids of the default streams of _streams (kept alive)
 
 
 def numba_stream(handle: int | None, ordinal=None):
@@ -422,11 +441,11 @@ def numba_stream(handle: int | None, ordinal=None):
     key = (ordinal, int(handle or 0))
     stream = _streams.get(key)
     if stream is None:
-        if SIMULATOR or not key[1]:
-            stream = cuda.default_stream()
-        else:
-            stream = cuda.external_stream(key[1])
-        _streams[key] = stream
+        default = SIMULATOR or not key[1]
+        made = cuda.default_stream() if default else cuda.external_stream(key[1])
+        stream = _streams.setdefault(key, made)  # one stream per key, even in a race
+        if default:
+            _default_streams.add(id(stream))  # kept alive by _streams: the id stays its
     return stream
 
 
@@ -484,6 +503,11 @@ def numba_view(array: Any, library: str, storage: np.dtype, transform=None):
         pointer = array.data_ptr()
     elif library == "cupy":
         shape, strides, pointer = tuple(array.shape), tuple(array.strides), array.data.ptr
+    elif library == "numba":
+        # Its own attributes: its __cuda_array_interface__ builds a dict, and in
+        # numba-cuda 0.30 on Python 3.12 warns (DeprecationWarning) for an array
+        # allocated on a stream.
+        shape, strides, pointer = tuple(array.shape), tuple(array.strides), _pointer(array)
     else:
         interface = array.__cuda_array_interface__
         shape, pointer = tuple(interface["shape"]), interface["data"][0]
@@ -512,4 +536,9 @@ def byte_extent(view) -> tuple[int, int]:
 
 
 def device_array(shape: tuple[int, ...], dtype: np.dtype, stream):
-    return cuda.device_array(shape, dtype=dtype, stream=stream)
+    # On the default stream, the array is made without one, as cuda.device_array(shape)
+    # makes it: numba-cuda 0.30's __cuda_array_interface__ of an array holding numba's
+    # default stream object warns (DeprecationWarning: int() of a CUstream_flags), and
+    # CuPy and torch read that interface.
+    on = 0 if id(stream) in _default_streams else stream
+    return cuda.device_array(shape, dtype=dtype, stream=on)

@@ -16,11 +16,12 @@ Work split
     arrays' own strides: views are read in place, never copied.
 
 Numerics
-    The rotation is :func:`numba_rope._rotation.rotate_pair`, shared with the CPU.
-    float16 is converted by the hardware (``cvt``, round to nearest even); bfloat16
-    arrives as a ``uint16`` view and is widened by a shift and narrowed to nearest even
-    in integer arithmetic, as on the CPU. On a real GPU, ptxas may contract a product
-    and a sum into one FMA: results may then differ from the CPU's in the last place.
+    The rotation is :func:`numba_rope._rotation.rotate_pair`'s, one rounding per
+    operation, with each product rounded explicitly (``fmul_rn``) so that NVVM and
+    ptxas cannot contract it into an FMA: the same bits as the CPU. float16 is
+    converted by the hardware (``cvt``, round to nearest even); bfloat16 arrives as a
+    ``uint16`` view and is widened by a shift and narrowed to nearest even in integer
+    arithmetic, as on the CPU.
 
 Position ids
     A kernel never reads outside the caches: a token whose id is out of range gets a
@@ -161,12 +162,45 @@ _CACHE_ROW = {
 }
 
 
+# -- the rotation, one rounding per operation ------------------------------------------
+# The CPU's rotate_pair, with each product rounded on its own: NVVM and ptxas contract a
+# multiplication and an addition into one FMA (one rounding fewer, a different result in
+# the last place), unless the multiplication carries an explicit rounding mode
+# (``mul.rn``, libdevice's ``fmul_rn``), which the PTX ISA leaves uncontracted. The
+# simulator runs the CPU's own rotate_pair (compiled by numba: inf * 0 is NaN without a
+# NumPy warning), and multiplies by the sign in NumPy scalars (a float32 stays one).
+
+if SIMULATOR:
+
+    @cuda.jit(device=True, inline="always")
+    def _mul32(a, b):
+        return a * b
+
+    _mul64 = _mul32
+    _rotate_exact32 = _rotate_exact64 = rotate_pair
+else:  # pragma: no cover - compiled for a GPU (tests/compile_for_gpu.py checks the PTX)
+    from numba.cuda import libdevice
+
+    _mul32, _mul64 = libdevice.fmul_rn, libdevice.dmul_rn
+
+    @cuda.jit(device=True, inline="always")
+    def _rotate_exact32(x1, x2, cos, sin):
+        return _mul32(x1, cos) - _mul32(x2, sin), _mul32(x2, cos) + _mul32(x1, sin)
+
+    @cuda.jit(device=True, inline="always")
+    def _rotate_exact64(x1, x2, cos, sin):
+        return _mul64(x1, cos) - _mul64(x2, sin), _mul64(x2, cos) + _mul64(x1, sin)
+
+
 def _make_rope_kernel(input_dtype: str, cache_dtype: str, positions: str, heads_per_thread: int):
     """Compile-time specialisation of the kernel for one dtype pair and one kind of
     positions (see ``_CACHE_ROW``); closure variables are constants to numba: each
     choice is made once, not per element. One function for that reason: the device
     function and the kernel close over the same constants."""
     cache_row = _CACHE_ROW[positions]
+    rotate, mul = (
+        (_rotate_exact64, _mul64) if input_dtype == "float64" else (_rotate_exact32, _mul32)
+    )
     cache_entry = _entry_by_token if positions == "token" else _entry_by_row
     widen_input = _WIDEN[input_dtype]
     narrow = _NARROW[input_dtype]
@@ -198,7 +232,7 @@ def _make_rope_kernel(input_dtype: str, cache_dtype: str, positions: str, heads_
                 sn = nan
                 if valid:
                     c = widen_cache(cache_entry(cos, row, b, s, slot))
-                    sn = widen_cache(cache_entry(sin, row, b, s, slot)) * sign
+                    sn = mul(widen_cache(cache_entry(sin, row, b, s, slot)), sign)
                 i1 = 2 * slot if interleaved else slot
                 i2 = i1 + 1 if interleaved else slot + half
                 for k in range(heads_per_thread):
@@ -209,7 +243,7 @@ def _make_rope_kernel(input_dtype: str, cache_dtype: str, positions: str, heads_
                 for k in range(heads_per_thread):
                     h = first_head + k
                     if h < num_heads:
-                        y1, y2 = rotate_pair(x1s[k], x2s[k], c, sn)
+                        y1, y2 = rotate(x1s[k], x2s[k], c, sn)
                         out[b, h, s, i1] = narrow(y1)
                         out[b, h, s, i2] = narrow(y2)
             else:
@@ -281,14 +315,11 @@ def rope_kernel(input_dtype: str, cache_dtype: str, positions: str, heads_per_th
 
 @cuda.jit
 def first_bad_position_cuda(position_ids, n_positions, first_bad):
-    """One block: ``first_bad[0]`` = flat index of the first id outside
-    ``[0, n_positions)``, or the number of ids if there is none."""
+    """``first_bad[0]`` = the smaller of itself (set to the number of ids before the
+    launch) and the flat index of the first id outside ``[0, n_positions)``; any grid."""
     seq_len = position_ids.shape[1]
     n_ids = position_ids.shape[0] * seq_len
-    if cuda.threadIdx.x == 0:
-        first_bad[0] = n_ids
-    cuda.syncthreads()  # the reset is seen by every thread of the (only) block
-    for flat in range(cuda.threadIdx.x, n_ids, cuda.blockDim.x):
+    for flat in range(cuda.grid(1), n_ids, cuda.gridsize(1)):
         b = flat // seq_len
         position = np.int64(position_ids[b, flat - b * seq_len])  # uint64 > 2**63 wraps < 0
         if position < 0 or position >= n_positions:
