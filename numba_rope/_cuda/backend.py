@@ -445,7 +445,7 @@ def numba_stream(handle: int | None, ordinal=None):
         made = cuda.default_stream() if default else cuda.external_stream(key[1])
         stream = _streams.setdefault(key, made)  # one stream per key, even in a race
         if default:
-            _default_streams.add(id(stream))  # kept alive by _streams: the id stays its
+            _default_streams.add(id(stream))  # _streams keeps it alive: the id stays its own
     return stream
 
 
