@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 import numba_rope
-from numba_rope.bench.gpu import NumbaArrays
+from numba_rope.bench.gpu import NumbaArrays, kernel_milliseconds
 from numba_rope.bench.workloads import make_arrays
 
 
@@ -85,25 +85,6 @@ def kernel_durations() -> None:
         torch.cuda.empty_cache()
 
 
-def _kernel_us(call: Callable[[], object], calls: int = 10) -> float:
-    """Mean duration of the kernels of ``calls`` calls (CUPTI through torch.profiler)."""
-    from numba import cuda
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        call()
-    cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            call()
-        cuda.synchronize()
-    total = 0.0
-    for event in prof.key_averages():
-        value = getattr(event, "device_time_total", None)
-        total += value if value is not None else getattr(event, "cuda_time_total", 0)
-    return total / calls
-
-
 def launch_tuning() -> None:
     """Kernel time of the prefill by heads per thread and threads per block."""
     from numba import cuda
@@ -127,7 +108,7 @@ def launch_tuning() -> None:
                 cells = []
                 for threads in (128, 256, 512):
                     config.CUDA_HEADS_PER_THREAD, config.CUDA_THREADS_PER_BLOCK = heads, threads
-                    us = _kernel_us(call)
+                    us = 1e3 * (kernel_milliseconds(call) or float("nan"))
                     cells.append(f"{threads} threads {us:7.1f} ({nbytes / us / 1e3:5.0f})")
                 print(f"  {dtype} heads {heads}: " + " | ".join(cells), flush=True)
         finally:

@@ -131,6 +131,30 @@ def libraries() -> list:
     return found
 
 
+def kernel_milliseconds(call: Callable[[], object], calls: int = 10) -> float | None:
+    """Mean GPU time of the kernels and copies that one ``call`` runs, traced by CUPTI
+    through ``torch.profiler`` (every kernel of the process, numba's too): the device's
+    own time, without the host's. None where torch sees no GPU (the simulator)."""
+    torch = torch_on_gpu()
+    if torch is None:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    numba_cuda = cuda()
+    for _ in range(3):
+        call()
+    numba_cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as traced:
+        for _ in range(calls):
+            call()
+        numba_cuda.synchronize()
+    total_us = 0.0
+    for event in traced.key_averages():
+        value = getattr(event, "device_time_total", None)  # torch >= 2.4
+        total_us += value if value is not None else getattr(event, "cuda_time_total", 0)
+    return total_us / calls / 1e3
+
+
 def gpu_milliseconds(
     call: Callable[[], object], repeats: int, warmup: int = 3, batch: int = 1
 ) -> float:
