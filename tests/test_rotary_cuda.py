@@ -118,6 +118,22 @@ def test_grids_padded_to_the_minimum_give_the_same_results(rng, gpu, monkeypatch
         numba_rope.rotary_embedding(*args, to_gpu(ids), rotary_embedding_dim=6)
 
 
+def test_a_view_that_changes_nothing_is_the_array_itself(rng):
+    """A bhsd Numba array is launched as it is: no new numba array per call (each costs
+    host time: 9.5 us on the H200's machine); a bshd one gets its bhsd view."""
+    from numba_rope._cuda.backend import numba_view
+    from numba_rope._geometry import bhsd_geometry
+
+    x = to_gpu(rng.standard_normal((2, 3, 4, 8)).astype(np.float32))
+
+    def as_bhsd(layout, logical_shape):  # what CudaBackend.view passes
+        return lambda shape, strides: bhsd_geometry(shape, strides, layout, logical_shape)
+
+    assert numba_view(x, "numba", x.dtype, as_bhsd("bhsd", (2, 3, 4, 8))) is x
+    seen_as_bshd = numba_view(x, "numba", x.dtype, as_bhsd("bshd", (2, 4, 3, 8)))
+    assert seen_as_bshd is not x and seen_as_bshd.shape == (2, 4, 3, 8)
+
+
 _widen_bfloat16 = numba_rope_cuda._bfloat16_bits_to_float32
 _narrow_bfloat16 = numba_rope_cuda._float32_to_bfloat16_bits
 _narrow_float16 = numba_rope_cuda._to_float16
