@@ -32,6 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from numba_rope.bench import epsilon, make_arrays
+from numba_rope.bench.gpu import NumbaArrays
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16, np.dtype(np.float64))
@@ -104,29 +105,17 @@ def tensorrt_reference(
 
 
 def to_gpu(a):
-    """A NumPy array as a Numba device array (anything else as it is). On a GPU
-    numba-cuda copies through the buffer protocol, which NumPy refuses for ml_dtypes'
-    bfloat16 ("cannot include dtype 'E' in a buffer"; the simulator copies without
-    it): bfloat16 travels as its ``uint16`` bits and is viewed back."""
-    if not isinstance(a, np.ndarray):
-        return a
-    from numba import cuda
-
-    if not (a.flags.c_contiguous or a.flags.f_contiguous):
-        a = np.ascontiguousarray(a)  # a base array keeps its layout (conftest.gpu_views)
-    if a.dtype.type is BFLOAT16.type:  # either byte order
-        bits = np.dtype(np.uint16).newbyteorder(a.dtype.byteorder)
-        return cuda.to_device(a.view(bits)).view(a.dtype)
-    return cuda.to_device(a)
+    """A NumPy array as a Numba device array (anything else as it is): the bench's
+    :class:`~numba_rope.bench.gpu.NumbaArrays`, which copies bfloat16 through its
+    ``uint16`` bits (numba-cuda copies through the buffer protocol, which NumPy refuses
+    for ml_dtypes' types on a GPU) and keeps a base array's layout
+    (``conftest.gpu_views``)."""
+    return NumbaArrays().to_device(a) if isinstance(a, np.ndarray) else a
 
 
 def to_host(d) -> np.ndarray:
-    """A Numba device array as a NumPy array (bfloat16 through its bits, as in
-    :func:`to_gpu`)."""
-    if d.dtype.type is BFLOAT16.type:
-        bits = np.dtype(np.uint16).newbyteorder(d.dtype.byteorder)
-        return d.view(bits).copy_to_host().view(d.dtype)
-    return d.copy_to_host()
+    """A Numba device array as a NumPy array (bfloat16 through its bits)."""
+    return NumbaArrays().to_host(d)
 
 
 def bits(a: np.ndarray) -> np.ndarray:

@@ -7,10 +7,9 @@ On a machine with a GPU (numba-cuda; CuPy and torch are used when installed)::
 prints markdown tables (and writes them to ``--out``):
 
 1. correctness: every dtype x interleaved x rotary_dim x position-id variant, through
-   Numba device arrays, CuPy arrays and torch tensors, against the CPU result (within
-   one unit in the last place of the output dtype at the scale of the data, NaN where
-   the CPU has NaN), plus the errors (IndexError, NaN rows with the check skipped,
-   host/GPU mix);
+   Numba device arrays, CuPy arrays and torch tensors, against the CPU result (bit for
+   bit; the worst error in units in the last place at the scale of the data is shown
+   too), plus the errors (IndexError, NaN rows with the check skipped, host/GPU mix);
 2. bandwidth: CUDA-event medians for large prefill shapes and a decode shape in
    float32/float16/bfloat16, as GB/s of bytes read + written, next to a
    device-to-device copy of the input's bytes and next to a torch eager RoPE;

@@ -47,15 +47,21 @@ class NumbaArrays:
     name = "numba"
 
     def to_device(self, a):
+        """``a`` on the GPU (None as it is), C- or Fortran-ordered as it lies, else
+        made C-contiguous; bfloat16 of either byte order through its bits."""
         if a is None:
             return None
-        if a.dtype == BFLOAT16:
-            return cuda().to_device(np.ascontiguousarray(a).view(np.uint16)).view(BFLOAT16)
+        if not (a.flags.c_contiguous or a.flags.f_contiguous):
+            a = np.ascontiguousarray(a)
+        if a.dtype.type is BFLOAT16.type:
+            bits = np.dtype(np.uint16).newbyteorder(a.dtype.byteorder)
+            return cuda().to_device(a.view(bits)).view(a.dtype)
         return cuda().to_device(a)
 
     def to_host(self, d) -> np.ndarray:
-        if d.dtype == BFLOAT16:
-            return d.view(np.uint16).copy_to_host().view(BFLOAT16)
+        if d.dtype.type is BFLOAT16.type:
+            bits = np.dtype(np.uint16).newbyteorder(d.dtype.byteorder)
+            return d.view(bits).copy_to_host().view(d.dtype)
         return d.copy_to_host()
 
 
