@@ -394,37 +394,59 @@ def copy(source, destination, stream) -> None:
 
 _flags = threading.local()
 
+#: The device flag's value when no bad id was found: the kernel only lowers it.
+NONE_FOUND = np.iinfo(np.int64).max
 
-def _flag_buffers(ordinal):
-    """This thread's device flag and pinned host copy, per device. A call reads the
-    flag back before returning, so reusing them across calls of one thread is safe."""
-    buffers = getattr(_flags, "by_device", None)
-    if buffers is None:
-        buffers = _flags.by_device = {}
-    pair = buffers.get(ordinal)
-    if pair is None:
-        pair = buffers[ordinal] = (cuda.device_array(1, np.int64), cuda.pinned_array(1, np.int64))
-    return pair
+
+class _Flag:
+    """A thread's device flag and pinned host copy on one device. The flag holds
+    :data:`NONE_FOUND` between calls, so a call launches the check and reads the flag
+    back, with no copy to the device first; ``clean`` is False from the launch until
+    the read-back found nothing. A call that found a bad id, or that raised between the
+    two (an interrupt), leaves it False, and the next call takes a fresh flag: the
+    lowered one may still be read by a kernel in flight on another stream."""
+
+    def __init__(self) -> None:
+        self.device = cuda.to_device(np.full(1, NONE_FOUND, np.int64))
+        self.host = cuda.pinned_array(1, np.int64)
+        self.clean = True
+
+
+def _flag(ordinal) -> _Flag:
+    """This thread's clean :class:`_Flag` for a device (a fresh one if the last call
+    left it lowered)."""
+    flags = getattr(_flags, "by_device", None)
+    if flags is None:
+        flags = _flags.by_device = {}
+    flag = flags.get(ordinal)
+    if flag is None or not flag.clean:
+        flag = flags[ordinal] = _Flag()
+    return flag
 
 
 def first_bad_position(position_ids, n_positions: int, stream, ordinal=None) -> int:
     """Flat index of the first out-of-range id in a device array of ids, or -1.
 
-    Synchronizes ``stream`` (the one read-back of a checked call).
+    Synchronizes ``stream`` (the one read-back of a checked call). The grid is padded
+    like the rotation's (:data:`MIN_GRID_BLOCKS`), and the flag is not reset from the
+    host before each call (:class:`_Flag`): the H200's host took 111 µs for one
+    numba-cuda copy to the device (docs/performance.md, "GPU").
     """
     n_ids = position_ids.shape[0] * position_ids.shape[1]
     if n_ids == 0:
         return -1
-    flag, host = _flag_buffers(ordinal)
-    host[0] = n_ids  # "none found", for the blocks to lower
-    flag.copy_to_device(host, stream=stream)
+    flag = _flag(ordinal)
+    flag.clean = False
     threads = max(1, min(int(config.CUDA_THREADS_PER_BLOCK), 1024, n_ids))
     blocks = _blocks(_cdiv(n_ids, threads))
-    first_bad_position_cuda[blocks, threads, stream](position_ids, n_positions, flag)
-    flag.copy_to_host(host, stream=stream)
+    first_bad_position_cuda[blocks, threads, stream](position_ids, n_positions, flag.device)
+    flag.device.copy_to_host(flag.host, stream=stream)
     stream.synchronize()
-    flat = int(host[0])
-    return -1 if flat >= n_ids else flat
+    flat = int(flag.host[0])
+    if flat == NONE_FOUND:
+        flag.clean = True
+        return -1
+    return flat
 
 
 # -- streams -----------------------------------------------------------------------------

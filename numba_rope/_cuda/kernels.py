@@ -315,7 +315,7 @@ def rope_kernel(input_dtype: str, cache_dtype: str, positions: str, heads_per_th
 
 @cuda.jit
 def first_bad_position_cuda(position_ids, n_positions, first_bad):
-    """``first_bad[0]`` = the smaller of itself (set to the number of ids before the
+    """``first_bad[0]`` = the smaller of itself (a value above any index before the
     launch) and the flat index of the first id outside ``[0, n_positions)``; any grid."""
     seq_len = position_ids.shape[1]
     n_ids = position_ids.shape[0] * seq_len
