@@ -127,7 +127,13 @@ def host_profile() -> None:
     def call():
         numba_rope.rotary_embedding(dx, dcos, dsin, dids, out=dout, check_position_ids=False)
 
+    def checked_call():
+        numba_rope.rotary_embedding(dx, dcos, dsin, dids, out=dout)
+
     print(f"\n== host: tiny unchecked call with out=: {_per_call_us(call, 500):.1f} us per call")
+    print(
+        f"   the same call checked (one kernel, one read-back): {_per_call_us(checked_call, 500):.1f} us"
+    )
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(300):
@@ -165,12 +171,28 @@ def primitives() -> None:
         with cuda.gpus[0]:
             pass
 
+    # Launch paths that skip parts of numba-cuda's dispatcher (candidates for a cheaper
+    # launch; to be A/B'd here before any is used): a dispatcher specialized to these
+    # argument types (no type resolution per call), and the compiled kernel's own
+    # launch (no launch configuration object, no dispatcher at all).
+    try:
+        many[128, 32, stream](*args)
+        specialized = many.specialize(*args)
+        compiled = next(iter(many.overloads.values()))
+    except Exception as error:  # numba-cuda's private API moved: the other rows still run
+        print(f"  (no launch candidates: {error!r})")
+        specialized = compiled = None
+
     rows = {
         "cuda.current_context()": lambda: cuda.current_context(),
         "with cuda.gpus[0]": enter_gpu,
         "kernel[1, 32](1 array)": lambda: one[1, 32](small),
         "kernel[128, 32](1 array)": lambda: one[128, 32](small),
         "kernel[128, 32, stream](14 arguments)": lambda: many[128, 32, stream](*args),
+        "specialized[128, 32, stream](14 arguments)": lambda: specialized[128, 32, stream](*args),
+        "compiled.launch(14 arguments)": lambda: compiled.launch(
+            args, (128, 1, 1), (32, 1, 1), stream
+        ),
         "device array copy_to_device(device array)": lambda: other.copy_to_device(small),
         "cuda.from_cuda_array_interface": lambda: cuda.from_cuda_array_interface(
             description, owner=small, sync=False
