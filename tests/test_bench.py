@@ -652,6 +652,91 @@ def test_implementations_take_turns_in_rounds_and_pool_their_samples(monkeypatch
     assert bench.Settings().rounds == 3 and bench.Settings.quick().rounds == 1
 
 
+def test_a_slow_numba_rope_row_of_a_large_input_is_probed_and_noted(monkeypatch):
+    """A numba_rope row over SLOW_ROW_FACTOR copy floors is timed again as it was,
+    without streaming stores (the setting restored after), and as a copy into its
+    output; the report notes it. Rows of other implementations, and faster ones, are
+    not probed. A fake timer gives each call its time (the slow row's is the floor's
+    without streaming stores), so nothing depends on this machine's speed."""
+    from numba_rope import config
+
+    monkeypatch.setattr(runner, "PROBE_MIN_BYTES", 0)  # the seed stands in for a large input
+    default = config.STREAMING_MIN_BYTES
+    floor = 1e-3
+
+    def time_calls(call, repeats, **kwargs):
+        call()
+        seconds = getattr(call, "seconds", lambda: floor)()
+        return bench.Timing(seconds, seconds, repeats, 1, (seconds,) * repeats)
+
+    monkeypatch.setattr(runner, "time_calls", time_calls)
+    monkeypatch.setattr(runner, "implementations", lambda device, threads: [])
+
+    def prepare(seconds):
+        def prepared(case, tgt, threads):
+            want = reference.rotary_embedding(
+                case.input, case.cos_cache, case.sin_cache, case.position_ids, **case.options
+            )
+
+            def call():
+                pass
+
+            call.seconds = seconds  # type: ignore[attr-defined]
+            return bench.Prepared(call, lambda: want)
+
+        return prepared
+
+    def copy(case, tgt, threads):
+        out = np.empty_like(case.input)
+
+        def call():
+            np.copyto(out, case.input)
+
+        return bench.Prepared(call, lambda: out)
+
+    def slow_when_streaming():
+        return 5 * floor if config.STREAMING_MIN_BYTES == default else floor
+
+    extra = [
+        bench.Implementation("copy", "copy", copy),
+        bench.Implementation("numba_rope (slow)", "rope", prepare(slow_when_streaming)),
+        bench.Implementation("numba_rope (fast)", "rope", prepare(lambda: 1.2 * floor)),
+        bench.Implementation("a slow peer", "rope", prepare(lambda: 9 * floor)),
+    ]
+    settings = bench.Settings.quick(workloads=["seed"], dtypes=["float32"], settle_seconds=0)
+    report = bench.run(settings, progress=None, extra=extra)
+    assert config.STREAMING_MIN_BYTES == default
+    rows = {r.implementation: r for r in report.results}
+    probe = rows["numba_rope (slow)"].probe
+    assert probe is not None
+    assert probe["floor_s"] == floor and probe["again_s"] == 5 * floor
+    assert probe["unstreamed_s"] == floor and probe["copy_into_output_s"] == floor
+    faults = probe["minor_faults_per_call"]
+    assert faults is None or faults >= 0
+    assert rows["numba_rope (fast)"].probe is None and rows["a slow peer"].probe is None
+    (note,) = [w for w in report.warnings if w.startswith("NOTE:")]
+    assert note.startswith("NOTE: seed float32 numba_rope (slow) took 5.0x the copy floor")
+    assert "without streaming stores 1.00 ms" in note
+    assert "a copy of the input into its output 1.00 ms" in note
+    assert json.loads(json.dumps(report.to_json()))["results"][1]["probe"] == probe
+
+
+def test_probing_a_slow_row_restores_the_streaming_setting_when_the_call_raises():
+    from numba_rope import config
+
+    default = config.STREAMING_MIN_BYTES
+
+    def call():
+        if config.STREAMING_MIN_BYTES != default:
+            raise RuntimeError("failed without streaming stores")
+
+    case = bench.make_case(bench.WORKLOADS["seed"], "float32")
+    prepared = bench.Prepared(call, lambda: case.input)
+    with pytest.raises(RuntimeError, match="without streaming"):
+        runner.probe_slow_row(prepared, case, 1e-3, repeats=1)
+    assert config.STREAMING_MIN_BYTES == default
+
+
 def test_a_failure_in_a_later_round_is_reported(monkeypatch):
     calls: list[int] = []
 

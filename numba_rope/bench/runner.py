@@ -35,6 +35,11 @@ What is measured, and how:
 * Rows whose times are not to be trusted are marked and the report warns (see
   :func:`~numba_rope.bench.report.assess`): every row when other processes' load average
   leaves the threads no idle cores, a (workload, dtype) when its copies stalled.
+* A numba_rope row of a large input that takes more than :data:`SLOW_ROW_FACTOR` copy
+  floors is probed right after its samples (:func:`probe_slow_row`), and the report
+  notes what it found: whether the row is slow again, without streaming stores, and
+  whether a plain copy into its output is slow too (the machine's memory, not the
+  kernel).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from typing import Any, TextIO
 import numba
 import numpy as np
 
-from numba_rope import reference
+from numba_rope import config, reference
 from numba_rope.bench.checks import check_output
 from numba_rope.bench.peers import Implementation, implementations
 from numba_rope.bench.report import Report, Result, cpu_seconds, environment, finish
@@ -160,9 +165,11 @@ def run(
                             f"{implementation.name}" + (f", round {turn + 1}..." if turn else "...")
                         )
                         settle(settings.settle_seconds)
+                        floors = [r.median_s for r in results.values() if r.kind == "copy"]
                         result = measure(
                             implementation, case, expected, tgt, threads, settings, report,
                             rounds=rounds, check=not turn,
+                            floor_s=min((f for f in floors if f), default=None),
                         )  # fmt: skip
                         if result is None:
                             continue
@@ -190,6 +197,7 @@ def _pooled(first: Result, later: Result) -> Result:
     first.p95_s = float(np.percentile(values, 95))
     first.samples = len(first.sample_s)
     first.gb_per_s = first.bytes / first.median_s / 1e9
+    first.probe = first.probe or later.probe  # the first round's probe, if it had one
     return first
 
 
@@ -215,10 +223,13 @@ def measure(
     *,
     rounds: int = 1,
     check: bool = True,
+    floor_s: float | None = None,
 ) -> Result | None:
     """Prepare, verify (unless not ``check``: a later round) and time one
     implementation on one case, for a ``rounds``-th of the settings' samples and
-    budget.
+    budget; a numba_rope row on the host slower than :data:`SLOW_ROW_FACTOR` times
+    ``floor_s`` (the copy floor so far) on an input of :data:`PROBE_MIN_BYTES` or more
+    is then probed (:func:`probe_slow_row`; a row keeps its first round's probe).
 
     Returns None for an implementation that cannot run anywhere here (recorded in
     ``report.not_installed``).
@@ -262,4 +273,73 @@ def measure(
     result.sample_s = list(timing.per_call)
     result.bytes = moved
     result.gb_per_s = moved / timing.median / 1e9
+    if (
+        floor_s
+        and timing.median > SLOW_ROW_FACTOR * floor_s
+        and tgt.name == "cpu"
+        and implementation.name.startswith("numba_rope")
+        and case.input.nbytes >= PROBE_MIN_BYTES
+    ):
+        result.probe = probe_slow_row(prepared, case, floor_s)
     return result
+
+
+#: A numba_rope row slower than this many copy floors is probed: the usual rows of
+#: large inputs take 0.5-1.4 floors on the development VMs; in 4 of 7 full benches on
+#: the Zen 3 VM (docs/performance.md, "Twenty-fifth session") the bfloat16 prefill_3d
+#: rows writing another array took 6x, for reasons not found.
+SLOW_ROW_FACTOR = 3.0
+
+#: Inputs this large or larger are probed when slow (the sizes whose outputs are
+#: written with streaming stores, ``config.STREAMING_MIN_BYTES``'s default).
+PROBE_MIN_BYTES = 16 << 20
+
+
+def _minor_faults() -> int | None:
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def probe_slow_row(prepared: Any, case: Any, floor_s: float, repeats: int = 5) -> dict[str, Any]:
+    """Time a slow row's call again, in three ways, right after its samples: as it was
+    (with this process's page faults counted), without streaming stores
+    (``config.STREAMING_MIN_BYTES`` raised for these calls only, then restored), and
+    as a plain ``np.copyto`` of the input into the row's output. A copy into the
+    output as slow as the row points at that memory, not at the kernel; a row fast
+    without streaming stores points at them. Median seconds of ``repeats`` calls each.
+    """
+
+    def median(call: Callable[[], object], between: Callable[[], object] | None) -> float:
+        return time_calls(call, repeats, warmup=1, between=between).median
+
+    faults = _minor_faults()
+    again = median(prepared.call, prepared.reset)
+    faults_after = _minor_faults()
+    saved = config.STREAMING_MIN_BYTES
+    try:
+        config.STREAMING_MIN_BYTES = 1 << 62
+        unstreamed = median(prepared.call, prepared.reset)
+    finally:
+        config.STREAMING_MIN_BYTES = saved
+    output, x = prepared.output(), case.input
+    copy_into = None
+    if (
+        isinstance(output, np.ndarray)
+        and output.shape == x.shape
+        and output.dtype == x.dtype
+        and not np.shares_memory(output, x)
+    ):
+        copy_into = median(lambda: np.copyto(output, x), None)
+    per_call = None
+    if faults is not None and faults_after is not None:
+        per_call = (faults_after - faults) / (repeats + 1)
+    return {
+        "floor_s": floor_s,
+        "again_s": again,
+        "unstreamed_s": unstreamed,
+        "copy_into_output_s": copy_into,
+        "minor_faults_per_call": per_call,
+    }
