@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 
@@ -654,8 +655,8 @@ def test_implementations_take_turns_in_rounds_and_pool_their_samples(monkeypatch
 
 def test_a_slow_numba_rope_row_of_a_large_input_is_probed_and_noted(monkeypatch):
     """A numba_rope row over SLOW_ROW_FACTOR copy floors is timed again as it was,
-    without streaming stores (the setting restored after), and as a copy into its
-    output; the report notes it. Rows of other implementations, and faster ones, are
+    without streaming stores and on one thread (both settings restored after), and as
+    a copy into its output; the report notes it. Rows of other implementations, and faster ones, are
     not probed. A fake timer gives each call its time (the slow row's is the floor's
     without streaming stores), so nothing depends on this machine's speed."""
     from numba_rope import config
@@ -694,8 +695,11 @@ def test_a_slow_numba_rope_row_of_a_large_input_is_probed_and_noted(monkeypatch)
 
         return bench.Prepared(call, lambda: out)
 
-    def slow_when_streaming():
-        return 5 * floor if config.STREAMING_MIN_BYTES == default else floor
+    threads = numba.get_num_threads()
+
+    def slow_when_streaming():  # on two threads or more, as the OpenMP team's state
+        streaming = config.STREAMING_MIN_BYTES == default
+        return 5 * floor if streaming and numba.get_num_threads() > 1 else floor
 
     extra = [
         bench.Implementation("copy", "copy", copy),
@@ -705,18 +709,20 @@ def test_a_slow_numba_rope_row_of_a_large_input_is_probed_and_noted(monkeypatch)
     ]
     settings = bench.Settings.quick(workloads=["seed"], dtypes=["float32"], settle_seconds=0)
     report = bench.run(settings, progress=None, extra=extra)
-    assert config.STREAMING_MIN_BYTES == default
+    assert config.STREAMING_MIN_BYTES == default and numba.get_num_threads() == threads
     rows = {r.implementation: r for r in report.results}
     probe = rows["numba_rope (slow)"].probe
     assert probe is not None
     assert probe["floor_s"] == floor and probe["again_s"] == 5 * floor
     assert probe["unstreamed_s"] == floor and probe["copy_into_output_s"] == floor
+    assert probe["one_thread_s"] == (floor if threads > 1 else None)
     faults = probe["minor_faults_per_call"]
     assert faults is None or faults >= 0
     assert rows["numba_rope (fast)"].probe is None and rows["a slow peer"].probe is None
     (note,) = [w for w in report.warnings if w.startswith("NOTE:")]
     assert note.startswith("NOTE: seed float32 numba_rope (slow) took 5.0x the copy floor")
     assert "without streaming stores 1.00 ms" in note
+    assert ("on one thread 1.00 ms" in note) == (threads > 1)
     assert "a copy of the input into its output 1.00 ms" in note
     assert json.loads(json.dumps(report.to_json()))["results"][1]["probe"] == probe
 

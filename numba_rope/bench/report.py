@@ -279,18 +279,22 @@ def assess(report: Report, cores: int | None = None) -> list[str]:
 def probe_note(result: Result) -> str:
     """The line that reports a probed slow row (see
     :func:`numba_rope.bench.runner.probe_slow_row`): its time again, without streaming
-    stores, and a plain copy into its output, next to the floor it was slow against.
+    stores, on one thread, and a plain copy into its output, next to the floor it was
+    slow against.
 
     >>> r = Result("prefill_3d", "bfloat16", "cpu", "numba_rope", "ok", median_s=0.0186)
     >>> r.probe = {"floor_s": 0.003, "again_s": 0.0185, "unstreamed_s": 0.0033,
-    ...            "copy_into_output_s": 0.0031, "minor_faults_per_call": 0.0}
+    ...            "one_thread_s": 0.0052, "copy_into_output_s": 0.0031,
+    ...            "minor_faults_per_call": 0.0}
     >>> print(probe_note(r))
-    NOTE: prefill_3d bfloat16 numba_rope took 6.2x the copy floor (3.00 ms); timed again after its samples: 18.50 ms; without streaming stores 3.30 ms; a copy of the input into its output 3.10 ms; 0 page faults a call
+    NOTE: prefill_3d bfloat16 numba_rope took 6.2x the copy floor (3.00 ms); timed again after its samples: 18.50 ms; without streaming stores 3.30 ms; on one thread 5.20 ms; a copy of the input into its output 3.10 ms; 0 page faults a call
     """
     probe = result.probe or {}
     floor = probe.get("floor_s")
     parts = [f"timed again after its samples: {_seconds(probe.get('again_s'))}"]
     parts.append(f"without streaming stores {_seconds(probe.get('unstreamed_s'))}")
+    if probe.get("one_thread_s") is not None:
+        parts.append(f"on one thread {_seconds(probe['one_thread_s'])}")
     if probe.get("copy_into_output_s") is not None:
         parts.append(f"a copy of the input into its output {_seconds(probe['copy_into_output_s'])}")
     if probe.get("minor_faults_per_call") is not None:

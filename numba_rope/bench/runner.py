@@ -304,12 +304,14 @@ def _minor_faults() -> int | None:
 
 
 def probe_slow_row(prepared: Any, case: Any, floor_s: float, repeats: int = 5) -> dict[str, Any]:
-    """Time a slow row's call again, in three ways, right after its samples: as it was
+    """Time a slow row's call again, in four ways, right after its samples: as it was
     (with this process's page faults counted), without streaming stores
-    (``config.STREAMING_MIN_BYTES`` raised for these calls only, then restored), and
-    as a plain ``np.copyto`` of the input into the row's output. A copy into the
-    output as slow as the row points at that memory, not at the kernel; a row fast
-    without streaming stores points at them. Median seconds of ``repeats`` calls each.
+    (``config.STREAMING_MIN_BYTES`` raised for these calls only, then restored), on
+    one thread (``numba.set_num_threads(1)``, then restored), and as a plain
+    ``np.copyto`` of the input into the row's output. A copy into the output as slow
+    as the row points at that memory, not at the kernel; a row fast without streaming
+    stores, or on one thread, points at them, or at the OpenMP team's state of
+    docs/performance.md ("What to expect"). Median seconds of ``repeats`` calls each.
     """
 
     def median(call: Callable[[], object], between: Callable[[], object] | None) -> float:
@@ -324,6 +326,13 @@ def probe_slow_row(prepared: Any, case: Any, floor_s: float, repeats: int = 5) -
         unstreamed = median(prepared.call, prepared.reset)
     finally:
         config.STREAMING_MIN_BYTES = saved
+    threads, one_thread = numba.get_num_threads(), None
+    if threads > 1:
+        try:
+            numba.set_num_threads(1)
+            one_thread = median(prepared.call, prepared.reset)
+        finally:
+            numba.set_num_threads(threads)
     output, x = prepared.output(), case.input
     copy_into = None
     if (
@@ -340,6 +349,7 @@ def probe_slow_row(prepared: Any, case: Any, floor_s: float, repeats: int = 5) -
         "floor_s": floor_s,
         "again_s": again,
         "unstreamed_s": unstreamed,
+        "one_thread_s": one_thread,
         "copy_into_output_s": copy_into,
         "minor_faults_per_call": per_call,
     }
