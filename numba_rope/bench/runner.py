@@ -287,7 +287,8 @@ def measure(
 #: A numba_rope row slower than this many copy floors is probed: the usual rows of
 #: large inputs take 0.5-1.4 floors on the development VMs; in 4 of 7 full benches on
 #: the Zen 3 VM (docs/performance.md, "Twenty-fifth session") the bfloat16 prefill_3d
-#: rows writing another array took 6x, for reasons not found.
+#: rows writing another array took 6x: streaming stores on two threads, in some
+#: OpenMP teams ("Twenty-sixth session"; the cause is not known).
 SLOW_ROW_FACTOR = 3.0
 
 #: Inputs this large or larger are probed when slow (the sizes whose outputs are
