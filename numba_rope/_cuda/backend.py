@@ -429,8 +429,9 @@ def first_bad_position(position_ids, n_positions: int, stream, ordinal=None) -> 
 
     Synchronizes ``stream`` (the one read-back of a checked call). The grid is padded
     like the rotation's (:data:`MIN_GRID_BLOCKS`), and the flag is not reset from the
-    host before each call (:class:`_Flag`): the H200's host took 111 µs for one
-    numba-cuda copy to the device (docs/performance.md, "GPU").
+    host before each call (:class:`_Flag`): one numba-cuda copy between device arrays
+    took 111 µs of host time on the H200's machine (a copy from the host was not timed
+    apart; docs/performance.md, "GPU").
     """
     n_ids = position_ids.shape[0] * position_ids.shape[1]
     if n_ids == 0:
