@@ -40,16 +40,16 @@ from oracles import (  # noqa: E402
 # The suite is compile-bound: a cold run is almost all numba compiling, and a trace
 # function (coverage's, under --cov) nearly doubles a compile (one float32 and one
 # float16 kernel, cold: 12.2 s traced, 6.7 s not). Most of that is numba's own Python:
-# its type inference (4.1 -> 7.1 s) and the pass inline_inlinables (2.9 -> 7.0 s),
-# which copies the IR of inline="always" functions, made from their bytecode. This
-# package's Python that runs while numba compiles (the @overload functions and the
-# @intrinsic typing functions, called from type inference; the intrinsics' code
-# generators, called in lowering) must still be seen by coverage. So these two run
-# untraced, and the calls into this package's typing and lowering run traced again.
-# Each switch happens in one wrapper frame: a frame that the tracer saw begin ends
-# with the tracer on, one that it did not see begin ends with the tracer off, so that
-# coverage's stack of frames stays in step (switching in numba's event callbacks
-# instead lost lines of the report).
+# its type inference (4.1 -> 7.1 s), the pass inline_inlinables (2.9 -> 7.0 s), which
+# copies the IR of inline="always" functions, made from their bytecode, and lowering
+# (three cold kernels: 3.7 -> 5.2 s of 7.7 s). This package's Python that runs while
+# numba compiles (the @overload functions and the @intrinsic typing functions, called
+# from type inference; the intrinsics' code generators, called in lowering) must still
+# be seen by coverage. So these three run untraced, and the calls into this package's
+# typing and code generation run traced again. Each switch happens in one wrapper
+# frame: a frame that the tracer saw begin ends with the tracer on, one that it did
+# not see begin ends with the tracer off, so that coverage's stack of frames stays in
+# step (switching in numba's event callbacks instead lost lines of the report).
 
 _paused = threading.local()
 
@@ -62,12 +62,13 @@ def _untraced(function: Callable) -> Callable:
         trace = sys.gettrace()
         if trace is None:
             return function(*args, **kwargs)
+        previous = getattr(_paused, "trace", None)
         sys.settrace(None)
         _paused.trace = trace
         try:
             return function(*args, **kwargs)
         finally:
-            _paused.trace = None
+            _paused.trace = previous
             sys.settrace(trace)
 
     return untraced
@@ -92,15 +93,62 @@ def _traced_again(function: Callable) -> Callable:
     return traced
 
 
-#: (owner, method, wrapper): numba's internals (numba 0.68, checked). Lowering, called
-#: from type inference too (a function's callees are compiled while it is typed), stays
-#: traced: the intrinsics' code generators run in it.
+def _intrinsic_definition(definition: Callable) -> Callable:
+    """An @intrinsic's typing function, run traced again, whose code generator (called
+    in lowering) runs traced again too."""
+    traced = _traced_again(definition)
+
+    @functools.wraps(definition)
+    def typing(*args, **kwargs):
+        result = traced(*args, **kwargs)
+        if result is None:
+            return None
+        signature, codegen = result
+        return signature, _traced_again(codegen)
+
+    return typing
+
+
+def _template_using(attribute: str, wrap: Callable) -> Callable[[Callable], Callable]:
+    """A wrapper of a template's method that first replaces the template's function
+    ``attribute`` (a staticmethod: the package's @overload or @intrinsic function) by
+    ``wrap`` of it, once, before its first use (templates are made when a module
+    defines its functions, before or after this file is imported)."""
+
+    def wrapper(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def switched(self, *args, **kwargs):
+            template = type(self)
+            function = template.__dict__.get(attribute)
+            if isinstance(function, staticmethod) and not hasattr(function.__func__, _SWITCHED):
+                wrapped = wrap(function.__func__)
+                setattr(wrapped, _SWITCHED, True)
+                setattr(template, attribute, staticmethod(wrapped))
+            return method(self, *args, **kwargs)
+
+        return switched
+
+    return wrapper
+
+
+_SWITCHED = "_numba_rope_traced_again"
+
+#: (owner, method, wrapper): numba's internals (numba 0.68, checked). Lowering is also
+#: called from type inference (a function's callees are compiled while it is typed).
 _SWITCHES = (
     (getattr(typed_passes, "NopythonTypeInference", None), "run_pass", _untraced),
     (getattr(untyped_passes, "InlineInlinables", None), "run_pass", _untraced),
-    (getattr(templates, "_OverloadFunctionTemplate", None), "_build_impl", _traced_again),
-    (getattr(templates, "_IntrinsicTemplate", None), "generic", _traced_again),
-    (getattr(typed_passes, "BaseNativeLowering", None), "run_pass", _traced_again),
+    (getattr(typed_passes, "BaseNativeLowering", None), "run_pass", _untraced),
+    (
+        getattr(templates, "_OverloadFunctionTemplate", None),
+        "_build_impl",
+        _template_using("_overload_func", _traced_again),
+    ),
+    (
+        getattr(templates, "_IntrinsicTemplate", None),
+        "generic",
+        _template_using("_definition_func", _intrinsic_definition),
+    ),
 )
 
 #: Whether the switches are in place: all or none (a numba whose internals moved runs

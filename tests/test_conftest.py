@@ -12,6 +12,7 @@ import conftest
 HERE = os.path.basename(__file__)
 TYPE_INFERENCE = ("typeinfer.py", "propagate")
 INLINING = ("untyped_passes.py", "_do_work")  # InlineInlinables' work
+LOWERING = ("lowering.py", "lower_inst")
 
 
 def _compile_traced() -> tuple[set, set]:
@@ -62,22 +63,27 @@ def _compile_traced() -> tuple[set, set]:
 
 
 def test_numba_compiles_untraced_but_for_this_packages_python():
-    # conftest pauses the trace function (coverage's) in numba's type inference and
-    # its pass inline_inlinables, and traces the @overload and @intrinsic functions
-    # that type inference calls and lowering (the intrinsics' code generators), also
-    # when a callee is compiled inside type inference. Afterwards the trace function
-    # is the same one, called again.
+    # conftest pauses the trace function (coverage's) in numba's type inference, its
+    # pass inline_inlinables and its lowering, and traces the @overload and @intrinsic
+    # functions that type inference calls and the intrinsics' code generators that
+    # lowering calls, also when a callee is compiled inside type inference.
+    # Afterwards the trace function is the same one, called again.
     assert conftest.COMPILING_UNTRACED, "numba's internals moved: update conftest._SWITCHES"
     during, after = _compile_traced()
     assert {(HERE, "twice_overload"), (HERE, "same"), (HERE, "codegen")} <= during
     assert TYPE_INFERENCE not in during and INLINING not in during
+    assert LOWERING not in during
     assert (HERE, "plus_one") in after
 
 
 def test_without_the_pauses_numba_is_traced(monkeypatch):
     # The control: with the two passes unwrapped, the functions that the test above
     # finds missing are traced, so their absence there is the pauses' doing.
-    for owner in (typed_passes.NopythonTypeInference, untyped_passes.InlineInlinables):
+    for owner in (
+        typed_passes.NopythonTypeInference,
+        untyped_passes.InlineInlinables,
+        typed_passes.BaseNativeLowering,
+    ):
         monkeypatch.setattr(owner, "run_pass", owner.run_pass.__wrapped__)
     during, _ = _compile_traced()
-    assert TYPE_INFERENCE in during and INLINING in during
+    assert TYPE_INFERENCE in during and INLINING in during and LOWERING in during
