@@ -645,11 +645,29 @@ def assert_close_to_transformers(ours, theirs):
     our_inv_freq = np.arctan2(our_sin[1], our_cos[1])
     assert np.all(np.abs(our_inv_freq - inv_freq) <= INV_FREQ_RELATIVE * inv_freq)
     assert abs(float(np.hypot(our_cos[0, 0], our_sin[0, 0])) - attention) <= 2.0**-50
-    # 2. The tables, within the float32 rounding of HF's computation.
+    # 2. Ours against float64 NumPy, an oracle independent of both: cos/sin of p times
+    #    our frequencies (read back above, within about 2**-52 relative), times the
+    #    factor. Angles below 2**8 here: NumPy's float64 cos/sin (a few ulps on every
+    #    CPU) and the read-back error stay far below 2**-40.
+    positions = np.arange(our_cos.shape[0])[:, None]
+    a = float(np.hypot(our_cos[0, 0], our_sin[0, 0]))
+    for ours_table, function in ((our_cos, np.cos), (our_sin, np.sin)):
+        oracle = a * function(positions * our_inv_freq)
+        worst = np.unravel_index(np.argmax(np.abs(ours_table - oracle)), oracle.shape)
+        assert np.all(np.abs(ours_table - oracle) <= 2.0**-40), (
+            f"ours off NumPy's {function.__name__} at {worst}: {ours_table[worst]} vs {oracle[worst]}"
+        )
+    # 3. The tables, within the float32 rounding of HF's computation. (A failure here,
+    #    after 2 passed, is transformers' table off the bound: the message says where.)
     angles = np.arange(rows)[:, None] * inv_freq
     tolerance = attention * (angles * 2.0**-17 + 2.0**-21)
-    assert np.all(np.abs(our_cos[:rows] - cos[:, :half]) <= tolerance)
-    assert np.all(np.abs(our_sin[:rows] - sin[:, :half]) <= tolerance)
+    for ours_table, theirs_table in ((our_cos, cos), (our_sin, sin)):
+        error = np.abs(ours_table[:rows] - theirs_table[:, :half])
+        worst = np.unravel_index(np.argmax(error - tolerance), error.shape)
+        assert np.all(error <= tolerance), (
+            f"transformers' table off ours at {worst}: {theirs_table[worst]} vs "
+            f"{ours_table[worst]} (bound {tolerance[worst]:.3g}; inv_freq {inv_freq[worst[1]]!r})"
+        )
 
 
 LLAMA_CASES = {
