@@ -109,6 +109,10 @@ def _intrinsic_definition(definition: Callable) -> Callable:
     return typing
 
 
+#: The mark of a template function that :func:`_template_using` has wrapped.
+_SWITCHED = "_numba_rope_traced_again"
+
+
 def _template_using(attribute: str, wrap: Callable) -> Callable[[Callable], Callable]:
     """A wrapper of a template's method that first replaces the template's function
     ``attribute`` (a staticmethod: the package's @overload or @intrinsic function) by
@@ -130,8 +134,6 @@ def _template_using(attribute: str, wrap: Callable) -> Callable[[Callable], Call
 
     return wrapper
 
-
-_SWITCHED = "_numba_rope_traced_again"
 
 #: (owner, method, wrapper): numba's internals (numba 0.68, checked). Lowering is also
 #: called from type inference (a function's callees are compiled while it is typed).

@@ -612,9 +612,10 @@ def transformers_modules():
     # torch's first cos of a process can be wrong: on a 2-core Intel AVX-512 VM
     # (torch 2.13.0+cpu, 2026-12-04), the first Tensor.cos() of a [1, 128, 32] float32
     # tensor returned its second half (elements 2048-4095) up to 1.5e-4 off in 5 of 40
-    # fresh processes without numba_rope imported (/tmp/s27/ops.py), every later call
-    # right; with one cos and sin of another tensor first, 0 of 40. Those two calls
-    # first, so that transformers' module is not the first.
+    # fresh processes of a script of torch alone (numba_rope not imported), every later
+    # call right; with one cos and sin of another tensor first, 0 of 40
+    # (docs/performance.md, "Twenty-seventh session"). Those two calls first, so that
+    # transformers' module is not the first.
     warm = torch.arange(4096, dtype=torch.float32).reshape(1, 128, 32) * 0.01
     warm.cos(), warm.sin()
 

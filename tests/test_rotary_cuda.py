@@ -123,8 +123,9 @@ def test_the_position_check_copies_nothing_to_the_device_and_survives_bad_calls(
 ):
     """The check's flag stays at "none found" between calls, so a checked call copies
     nothing to the device (one numba-cuda copy between device arrays took 111 us of host
-    time on the H200's machine; a copy from the host was not timed apart). A call that found a bad id, or that was interrupted between the
-    check and its read-back with the flag lowered, leaves the next call's check right."""
+    time on the H200's machine; a copy from the host was not timed apart). A call that
+    found a bad id, or that was interrupted between the check and its read-back with
+    the flag lowered, leaves the next call's check right."""
     x, cos, sin, ids = make_case(rng, (2, 3, 5, 8), np.float32, n_positions=7)
     args = (to_gpu(x), to_gpu(cos), to_gpu(sin))
     good, bad = ids.copy(), ids.copy()
