@@ -469,18 +469,45 @@ def test_in_place_rows_off_lines_with_channels_past_rotary_dim(rng, dtype):
 
 
 def test_a_prefetch_is_a_hint_that_never_faults():
-    from numba_rope._cpu.vector import prefetch_span
+    from numba_rope._cpu.vector import prefetch_rows, prefetch_span
 
     @numba.njit
-    def touch(a, offset, nbytes):
+    def touch(a, b, offset, nbytes):
         prefetch_span(a, offset, nbytes)
-        return a[0]
+        prefetch_rows(a, offset, b, -offset, nbytes)  # a for reading, b for writing
+        return a[0] + b[0]
 
     a = np.arange(4, dtype=np.float32)
+    b = np.ones(4, dtype=np.float32)
     # past the end, before the start, a span of many lines: nothing read or written
     for offset, nbytes in ((0, 16), (1 << 20, 4096), (-(1 << 20), 200), (3, 1)):
-        assert touch(a, offset, nbytes) == 0.0
+        assert touch(a, b, offset, nbytes) == 1.0
     np.testing.assert_array_equal(a, np.arange(4, dtype=np.float32))
+    np.testing.assert_array_equal(b, np.ones(4, dtype=np.float32))
+
+
+def test_large_float32_rows_into_another_array_prefetch_rows_ahead(rng):
+    # float32 rows rotated token by token into another array, the input larger than
+    # AHEAD_MIN_BYTES, prefetch the rows AHEAD_ROWS heads ahead (a hint that reaches
+    # past the last rows and into the other thread's chunks): the bits are the
+    # contract's, for a decode step and heads inside tokens, one tensor and q with k.
+    from numba_rope._cpu.kernels import AHEAD_MIN_BYTES
+
+    heads, head_size = 16, 128
+    batch = AHEAD_MIN_BYTES // (heads * head_size * 4) + 3
+    x, cos, sin, ids = make_case(rng, (batch, heads, 1, head_size), np.float32)
+    assert x.nbytes > AHEAD_MIN_BYTES
+    want = float32_contract(x, cos, sin, ids)
+    out = np.empty_like(x)
+    assert numba_rope.rotary_embedding(x, cos, sin, ids, out=out) is out
+    assert_bitwise_equal(out, want)
+    bshd = np.ascontiguousarray(x.transpose(2, 0, 1, 3))  # batch tokens of one sequence
+    got = numba_rope.rotary_embedding(bshd, cos, sin, ids.T, layout="bshd")
+    assert_bitwise_equal(got, want.transpose(2, 0, 1, 3))
+    k = x[:, : heads // 4].copy()
+    got_q, got_k = numba_rope.rotary_embedding_qk(x, k, cos, sin, ids)
+    assert_bitwise_equal(got_q, want)
+    assert_bitwise_equal(got_k, want[:, : heads // 4])
 
 
 def test_token_major_follows_memory_order():

@@ -12,7 +12,8 @@ changes how LLVM handles float16 vectors, included); and float16 results for ord
 stores are converted into registers, never into memory, on every target but
 sapphirerapids (interleaved rows included, whose 512-bit vectors once aborted LLVM on
 AVX2); interleaved rows taken token by token rotate their pairs as they lie, with
-``vaddsubps`` on AVX2."""
+``vaddsubps`` on AVX2; and float32 rows taken token by token prefetch rows ahead,
+16-bit ones none."""
 
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ def counts(asm):  # the instructions the assertions below look for, in one kerne
         "fp16": len(FP16.findall(asm)),
         "float16 into memory": len(re.findall(r"\bvcvtps2ph\s+\$\d+, %[xyz]mm\d+, -?\d*\(", asm)),
         "vaddsubps": asm.count("vaddsubps"),
+        "prefetcht0": len(re.findall(r"\bprefetcht0\b", asm)),
+        "prefetchw": len(re.findall(r"\bprefetchw\b", asm)),
     }
 
 variants = [(d, w, streaming, False, False) for d, w in (("float32", False),
@@ -189,6 +192,19 @@ def test_kernels_compiled_for_other_x86_cpus_contain_no_fma(tmp_path, cpu):
         # into one vaddsubps per 8 lanes on AVX2 (AVX-512 has no 512-bit form).
         if variant.endswith("token-major interleaved") and cpu not in AVX512:
             assert counts["vaddsubps"] > 0, f"{cpu} {variant}: the pairs split and merged"
+        # float32 rows taken token by token into another array prefetch rows ahead:
+        # the input's for reading (prefetcht0), the output's for writing (prefetchw,
+        # which LLVM emits as prefetcht0 on haswell, without PRFCHW); 16-bit rows,
+        # bound by their conversions, carry no prefetch (numba_rope._cpu.kernels.
+        # _prefetches_ahead).
+        if "token-major" in variant:
+            prefetches = counts["prefetcht0"] + counts["prefetchw"]
+            if variant.startswith("float32"):
+                assert counts["prefetcht0"] > 0, f"{cpu} {variant}: no read prefetch"
+                if cpu != "haswell":
+                    assert counts["prefetchw"] > 0, f"{cpu} {variant}: no prefetchw"
+            else:
+                assert prefetches == 0, f"{cpu} {variant}: {prefetches} prefetches"
         # float16 results stored with ordinary stores are converted into a register,
         # then stored: F16C's conversion into memory took twice as long on Zen 3 (see
         # numba_rope._cpu.vector._Stream.narrow).

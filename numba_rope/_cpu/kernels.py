@@ -24,6 +24,7 @@ from numba_rope._cpu import relay
 from numba_rope._cpu.vector import (
     BFLOAT16_TYPE,
     pair_rows,
+    prefetch_rows,
     prefetch_span,
     row,
     store_fence,
@@ -54,6 +55,13 @@ from numba_rope._rotation import rotate_pair
 #: place every channel is read and written, and the same prefetch made it 1.15-1.31x
 #: slower: in place only.
 PREFETCH_ROWS = 16
+
+#: How many rows (heads) ahead :func:`_token_units` prefetches the input row (for
+#: reading) and the output row (for writing) of float32 rows rotated into another
+#: array, and the least input (bytes) of such calls that does: see
+#: :func:`_prefetches_ahead`.
+AHEAD_ROWS = 2
+AHEAD_MIN_BYTES = 512 << 10
 
 #: Kernel return codes besides the index of a bad position id or offset (>= 0).
 DONE = -1
@@ -384,9 +392,13 @@ def _token_units(
     16-bit elements take rows holding each value twice instead (any cache dtype but
     float64, see :func:`duplicates_pairs`), and rotate their pairs as they lie: on the
     Zen 3 VM, one thread, float16 decode and bshd calls 0.61-0.75x the time, float32
-    0.89-0.98x (one-process A/B, docs/performance.md, "Twenty-fourth session")."""
+    0.89-0.98x (one-process A/B, docs/performance.md, "Twenty-fourth session").
+    Large float32 calls into another array prefetch the rows :data:`AHEAD_ROWS` heads
+    ahead (:func:`_prefetches_ahead`)."""
     head_size = x.shape[3]
     half = rotary_dim // 2
+    ahead = _prefetches_ahead(x, out, streaming)
+    row_bytes = head_size * x.itemsize
     for unit in range(first, end):
         b, s0, s1, h0, h1 = _unit_bounds(unit, x.shape[2], x.shape[1], tile, n_groups)
         for s in range(s0, s1):
@@ -400,6 +412,11 @@ def _token_units(
             for h in range(h0, h1):
                 x_offset = b * x.strides[0] + h * x.strides[1] + s * x.strides[2]
                 out_offset = b * out.strides[0] + h * out.strides[1] + s * out.strides[2]
+                if ahead:
+                    prefetch_rows(
+                        x, x_offset + AHEAD_ROWS * x.strides[1],
+                        out, out_offset + AHEAD_ROWS * out.strides[1], row_bytes,
+                    )  # fmt: skip
                 rotate_row(
                     row(x, x_offset, head_size),
                     cos_row,
@@ -411,6 +428,40 @@ def _token_units(
                     words,
                     streaming,
                 )
+
+
+def _prefetches_ahead(x, out, streaming):  # pragma: no cover - see overload
+    """Whether :func:`_token_units` prefetches rows :data:`AHEAD_ROWS` heads ahead
+    (:func:`~numba_rope._cpu.vector.prefetch_rows`): float32 rows rotated into another
+    array with ordinary stores, the input more than :data:`AHEAD_MIN_BYTES`.
+
+    Each store of such a call waits for its line to be read for ownership, and the
+    hardware's prefetchers do not fetch output lines early enough: a float32 decode
+    step (64, 32, 1, 128) on one thread (input and output 1 MiB each, 2 MiB of L2)
+    took 45 us against 33-36 for ``np.copyto`` and 20-24 in place; with the prefetch
+    0.84-0.85x the time, on one thread and with the other core busy (Intel AVX-512
+    VM, one-process A/B, docs/performance.md, "Twenty-eighth session"). Not for 16-bit
+    rows, bound by their conversions (float16 decode 1.02-1.05x the time with it,
+    bfloat16 1.06-1.13x, on the Emerald Rapids VM: "Twentieth session"), nor for
+    inputs that stay in L2 (512 KiB and less: 0.99-1.05x there), nor for non-temporal
+    stores, which read no line."""
+    raise NotImplementedError
+
+
+@overload(_prefetches_ahead)
+def _prefetches_ahead_overload(x, out, streaming):
+    # Decided when compiling for the dtype: 16-bit kernels carry none of the code once
+    # LLVM has folded the constant. Not inlined by numba (LLVM inlines it): numba's
+    # inlining of such helpers cost the float32 kernels 3-7% more compile time
+    # ("Twentieth session").
+    if x.dtype != types.float32:
+        return lambda x, out, streaming: False
+
+    def impl(x, out, streaming):  # no short circuits: numba inlines them badly
+        into_another = x.ctypes.data != out.ctypes.data
+        return (not streaming) & into_another & (x.nbytes > AHEAD_MIN_BYTES)
+
+    return impl
 
 
 @cached_njit(inline="always")

@@ -7,7 +7,8 @@ LLVM's loop vectorizer cannot be asked for what is needed: non-temporal stores
 (streaming large outputs past the cache), bfloat16 rows taken two elements per 32-bit
 word, rows without the overlap and length tests the vectorizer puts before every row
 (short rows: a decode step's), the row views over raw pointers that the loops of
-:mod:`numba_rope._cpu.kernels` rotate, and software prefetches (:func:`prefetch_span`).
+:mod:`numba_rope._cpu.kernels` rotate, and software prefetches (:func:`prefetch_span`,
+:func:`prefetch_rows`).
 
 The arithmetic is :func:`numba_rope._rotation.rotate_pair`'s, one rounding per
 operation and no contraction: a vector step gives the bits of the element loop.
@@ -864,6 +865,33 @@ def widen_pairs(typingctx, source, pairs, length):
     return _widening(source, pairs, length, _STREAM_TYPES, halves=False, doubled=True)
 
 
+def _emit_prefetch(
+    context, builder, array_type, array, byte_offset, offset_type, nbytes, nbytes_type, writing
+):
+    """Emit ``llvm.prefetch`` of every cache line of ``nbytes`` bytes of ``array`` from
+    ``byte_offset`` on, for writing (``prefetchw`` where the CPU has it) or reading.
+    Addresses are computed as integers: no ``inbounds`` pointer arithmetic past the
+    array (a prefetch is a hint, which never faults)."""
+    source = context.make_array(array_type)(context, builder, array)
+    i64 = ir.IntType(64)
+    start = builder.add(
+        builder.ptrtoint(source.data, i64),
+        context.cast(builder, byte_offset, offset_type, types.intp),
+    )
+    length = context.cast(builder, nbytes, nbytes_type, types.intp)
+    byte_pointer = ir.IntType(8).as_pointer()
+    prefetch = builder.module.declare_intrinsic(
+        "llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [byte_pointer, _LANE, _LANE, _LANE])
+    )
+    hint = [ir.Constant(_LANE, int(writing)), ir.Constant(_LANE, 3), ir.Constant(_LANE, 1)]
+    end = builder.add(start, length)
+    with cgutils.for_range_slice(builder, start, end, ir.Constant(i64, 64), i64) as (address, _):
+        builder.call(prefetch, [builder.inttoptr(address, byte_pointer), *hint])
+    # the line of the last byte, which a span off the lines' boundaries reaches
+    last = builder.sub(end, ir.Constant(i64, 1))
+    builder.call(prefetch, [builder.inttoptr(last, byte_pointer), *hint])
+
+
 @intrinsic
 def prefetch_span(typingctx, array, byte_offset, nbytes):
     """Prefetch, for writing, the cache lines of ``nbytes`` bytes of ``array`` from
@@ -874,31 +902,36 @@ def prefetch_span(typingctx, array, byte_offset, nbytes):
         return None
 
     def codegen(context, builder, signature, args):
-        source = context.make_array(signature.args[0])(context, builder, args[0])
-        i64 = ir.IntType(64)
-        start = builder.add(
-            builder.ptrtoint(source.data, i64),
-            context.cast(builder, args[1], signature.args[1], types.intp),
+        array_type, offset_type, nbytes_type = signature.args
+        _emit_prefetch(
+            context, builder, array_type, args[0], args[1], offset_type, args[2], nbytes_type, True
         )
-        length = context.cast(builder, args[2], signature.args[2], types.intp)
-        byte_pointer = ir.IntType(8).as_pointer()
-        prefetch = builder.module.declare_intrinsic(
-            "llvm.prefetch",
-            fnty=ir.FunctionType(ir.VoidType(), [byte_pointer, _LANE, _LANE, _LANE]),
-        )
-        hint = [ir.Constant(_LANE, 1), ir.Constant(_LANE, 3), ir.Constant(_LANE, 1)]
-        end = builder.add(start, length)
-        with cgutils.for_range_slice(builder, start, end, ir.Constant(i64, 64), i64) as (
-            address,
-            _,
-        ):
-            builder.call(prefetch, [builder.inttoptr(address, byte_pointer), *hint])
-        # the line of the last byte, which a span off the lines' boundaries reaches
-        last = builder.sub(end, ir.Constant(i64, 1))
-        builder.call(prefetch, [builder.inttoptr(last, byte_pointer), *hint])
         return context.get_dummy_value()
 
     return types.void(array, byte_offset, nbytes), codegen
+
+
+@intrinsic
+def prefetch_rows(typingctx, x, x_offset, out, out_offset, nbytes):
+    """Prefetch ``nbytes`` bytes of ``x`` from ``x_offset`` on for reading and of
+    ``out`` from ``out_offset`` on for writing (see :func:`prefetch_span`): an input
+    row and the output row it is rotated into. Two spans in one intrinsic rather than
+    a hint passed as a constant, which numba would type every call of twice."""
+    if not (isinstance(x, types.Array) and isinstance(out, types.Array)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        x_type, x_offset_type, out_type, out_offset_type, nbytes_type = signature.args
+        _emit_prefetch(
+            context, builder, x_type, args[0], args[1], x_offset_type, args[4], nbytes_type, False
+        )
+        _emit_prefetch(
+            context, builder, out_type, args[2], args[3], out_offset_type, args[4], nbytes_type,
+            True,
+        )  # fmt: skip
+        return context.get_dummy_value()
+
+    return types.void(x, x_offset, out, out_offset, nbytes), codegen
 
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
