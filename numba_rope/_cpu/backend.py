@@ -1002,7 +1002,10 @@ def fast_call(
                     return None  # (3-D outputs must have the input's shape to be reshaped)
                 if cache_storage is not None:
                     cos, sin = cos.view(cache_storage), sin.view(cache_storage)
-                x_view, out_view = view(x, x_split), view(out, x_split)
+                if to_bhsd:
+                    x_view, out_view = view(x, x_split), view(out, x_split)
+                elif storage is not None:  # no call to view(): a Python hop each
+                    x_view, out_view = x.view(storage), out.view(storage)
             if shared_size and helper.usable(shared_size):
                 the_helper = helper.helper()
                 the_helper.start()
@@ -1040,8 +1043,12 @@ def fast_call(
                 return None
             if cache_storage is not None:
                 cos, sin = cos.view(cache_storage), sin.view(cache_storage)
-            x_view, k_view = view(x, x_split), view(k, k_split)
-            out_view, out_k_view = view(out, x_split), view(out_k, k_split)
+            if to_bhsd:
+                x_view, k_view = view(x, x_split), view(k, k_split)
+                out_view, out_k_view = view(out, x_split), view(out_k, k_split)
+            elif storage is not None:  # no call to view(): a Python hop each
+                x_view, k_view = x.view(storage), k.view(storage)
+                out_view, out_k_view = out.view(storage), out_k.view(storage)
         if shared_size and helper.usable(shared_size):
             the_helper = helper.helper()
             the_helper.start()
