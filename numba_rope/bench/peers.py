@@ -18,6 +18,7 @@ import numpy as np
 import numba_rope
 from numba_rope._aligned import empty_on_line
 from numba_rope.bench.gpu import TorchArrays, installed
+from numba_rope.bench.report import ONE_THREAD_COPY
 from numba_rope.bench.targets import Unavailable
 from numba_rope.bench.workloads import Case, as_dtype
 
@@ -403,7 +404,7 @@ def implementations(device: str, threads: int) -> list[Implementation]:
     copy_name = f"copy (numba, {threads} threads)" if device == "cpu" else "copy (device to device)"
     found = [Implementation(copy_name, "copy", _numba_copy)]
     if device == "cpu":
-        found.append(Implementation("np.copyto (1 thread)", "copy", _numpy_copyto))
+        found.append(Implementation(ONE_THREAD_COPY, "copy", _numpy_copyto))
         found.append(Implementation(ALLOCATING_COPY, "allocating copy", _numpy_copy_allocating))
     found += [
         Implementation("numba_rope", "rope", _numba_rope_out),
