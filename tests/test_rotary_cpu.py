@@ -487,10 +487,11 @@ def test_a_prefetch_is_a_hint_that_never_faults():
 
 
 def test_large_float32_rows_into_another_array_prefetch_rows_ahead(rng):
-    # float32 rows rotated token by token into another array, the input larger than
-    # AHEAD_MIN_BYTES, prefetch the rows AHEAD_ROWS heads ahead (a hint that reaches
-    # past the last rows and into the other thread's chunks): the bits are the
-    # contract's, for a decode step and heads inside tokens, one tensor and q with k.
+    # float32 rows rotated into another array, the input larger than AHEAD_MIN_BYTES,
+    # prefetch the rows AHEAD_ROWS heads (token by token) or tokens (head by head)
+    # ahead (a hint that reaches past the last rows and into the other thread's
+    # chunks): the bits are the contract's, for a decode step, heads inside tokens,
+    # q with k and heads outside tokens.
     from numba_rope._cpu.kernels import AHEAD_MIN_BYTES
 
     heads, head_size = 16, 128
@@ -508,6 +509,11 @@ def test_large_float32_rows_into_another_array_prefetch_rows_ahead(rng):
     got_q, got_k = numba_rope.rotary_embedding_qk(x, k, cos, sin, ids)
     assert_bitwise_equal(got_q, want)
     assert_bitwise_equal(got_k, want[:, : heads // 4])
+    # Head by head (bhsd, several tokens): the rows AHEAD_ROWS tokens ahead.
+    bhsd = np.ascontiguousarray(x.reshape(1, batch, heads, head_size).transpose(0, 2, 1, 3))
+    got = numba_rope.rotary_embedding(bhsd, cos, sin, ids.T)
+    want_bhsd = float32_contract(bhsd, cos, sin, ids.T)
+    assert_bitwise_equal(got, want_bhsd)
 
 
 def test_token_major_follows_memory_order():

@@ -56,10 +56,10 @@ from numba_rope._rotation import rotate_pair
 #: slower: in place only.
 PREFETCH_ROWS = 16
 
-#: How many rows (heads) ahead :func:`_token_units` prefetches the input row (for
-#: reading) and the output row (for writing) of float32 rows rotated into another
-#: array, and the least input (bytes) of such calls that does: see
-#: :func:`_prefetches_ahead`.
+#: How many rows ahead (heads in :func:`_token_units`, tokens in
+#: :func:`_contiguous_units`) the row loops prefetch the input row (for reading) and
+#: the output row (for writing) of float32 rows rotated into another array, and the
+#: least input (bytes) of such calls that does: see :func:`_prefetches_ahead`.
 AHEAD_ROWS = 2
 AHEAD_MIN_BYTES = 512 << 10
 
@@ -221,7 +221,9 @@ def _contiguous_units(
     once per unit ran float32 decode 8-13% slower (A/B of the kernel alone).
     ``scratch`` is taken for the signature of :func:`_token_units` and not used.
     In place (``out`` is ``x``), rows with channels past ``rotary_dim`` that start off
-    a 64-byte line prefetch the row :data:`PREFETCH_ROWS` ahead."""
+    a 64-byte line prefetch the row :data:`PREFETCH_ROWS` ahead; large float32 calls
+    into another array, the rows :data:`AHEAD_ROWS` tokens ahead
+    (:func:`_prefetches_ahead`)."""
     head_size = x.shape[3]
     half = rotary_dim // 2
     # In place, rows with channels past rotary_dim (which are not written) that start
@@ -229,6 +231,8 @@ def _contiguous_units(
     address = x.ctypes.data
     in_place_gap = rotary_dim < head_size and address == out.ctypes.data
     rotary_bytes = rotary_dim * x.itemsize
+    ahead = _prefetches_ahead(x, out, streaming)
+    row_bytes = head_size * x.itemsize
     for unit in range(first, end):
         b, s0, s1, h0, h1 = _unit_bounds(unit, x.shape[2], x.shape[1], tile, n_groups)
         for h in range(h0, h1):
@@ -237,6 +241,11 @@ def _contiguous_units(
                 out_offset = b * out.strides[0] + h * out.strides[1] + s * out.strides[2]
                 if in_place_gap and (address + x_offset) & 63 and s + PREFETCH_ROWS < s1:
                     prefetch_span(x, x_offset + PREFETCH_ROWS * x.strides[2], rotary_bytes)
+                elif ahead:
+                    prefetch_rows(
+                        x, x_offset + AHEAD_ROWS * x.strides[2],
+                        out, out_offset + AHEAD_ROWS * out.strides[2], row_bytes,
+                    )  # fmt: skip
                 rotate_row(
                     row(x, x_offset, head_size),
                     row(cos, _cache_row_offset(cos, positions, b, s), half),
@@ -431,8 +440,9 @@ def _token_units(
 
 
 def _prefetches_ahead(x, out, streaming):  # pragma: no cover - see overload
-    """Whether :func:`_token_units` prefetches rows :data:`AHEAD_ROWS` heads ahead
-    (:func:`~numba_rope._cpu.vector.prefetch_rows`): float32 rows rotated into another
+    """Whether the row loops prefetch rows :data:`AHEAD_ROWS` ahead (heads in
+    :func:`_token_units`, tokens in :func:`_contiguous_units`;
+    :func:`~numba_rope._cpu.vector.prefetch_rows`): float32 rows rotated into another
     array with ordinary stores, the input more than :data:`AHEAD_MIN_BYTES`.
 
     Each store of such a call waits for its line to be read for ownership, and the
@@ -440,11 +450,12 @@ def _prefetches_ahead(x, out, streaming):  # pragma: no cover - see overload
     step (64, 32, 1, 128) on one thread (input and output 1 MiB each, 2 MiB of L2)
     took 45 us against 33-36 for ``np.copyto`` and 20-24 in place; with the prefetch
     0.84-0.85x the time, on one thread and with the other core busy (Intel AVX-512
-    VM, one-process A/B, docs/performance.md, "Twenty-eighth session"). Not for 16-bit
-    rows, bound by their conversions (float16 decode 1.02-1.05x the time with it,
-    bfloat16 1.06-1.13x, on the Emerald Rapids VM: "Twentieth session"), nor for
-    inputs that stay in L2 (512 KiB and less: 0.99-1.05x there), nor for non-temporal
-    stores, which read no line."""
+    VM, one-process A/B, docs/performance.md, "Twenty-eighth session"); rows taken
+    head by head (bhsd prefills of 1-8 MiB) 0.88-0.97x on one thread, 0.93-1.01x on
+    two. Not for 16-bit rows, bound by their conversions (float16 decode 1.02-1.05x
+    the time with it, bfloat16 1.06-1.13x, on the Emerald Rapids VM: "Twentieth
+    session"), nor for inputs that stay in L2 (512 KiB and less: 0.99-1.05x there),
+    nor for non-temporal stores, which read no line."""
     raise NotImplementedError
 
 
