@@ -77,7 +77,7 @@ def test_numba_compiles_untraced_but_for_this_packages_python():
 
 
 def test_without_the_pauses_numba_is_traced(monkeypatch):
-    # The control: with the two passes unwrapped, the functions that the test above
+    # The control: with the three passes unwrapped, the functions that the test above
     # finds missing are traced, so their absence there is the pauses' doing.
     for owner in (
         typed_passes.NopythonTypeInference,
