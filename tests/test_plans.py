@@ -436,6 +436,59 @@ def test_compiled_plan_leaves_other_calls_to_the_general_path(rng, fast_runs):
     assert_bitwise_equal(transposed, float32_contract(x, cos, sin, ids))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=[d.name for d in DTYPES])
+@pytest.mark.parametrize("two", [False, True], ids=["one", "qk"])
+@pytest.mark.parametrize("with_ids", [True, False], ids=["ids", "no-ids"])
+def test_compiled_plan_refuses_arrays_of_other_axes_and_read_only_outputs(
+    rng, fast_runs, dtype, two, with_ids
+):
+    # A compiled plan calls its compiled function directly, with 16-bit arrays as they
+    # are, after checking in Python what numba's dispatch would have checked by type:
+    # caches, ids and outputs of another number of axes (the compiled function would
+    # unbox them as arrays of its own number of axes, past the end of its shape),
+    # read-only outputs. Each such call is refused, then gives what the general path
+    # gives with no plan (an error here), and leaves every output as it was.
+    x, cos, sin, ids = make_case(rng, (2, 3, 4, 16), dtype, n_positions=10, position_ids=with_ids)
+    k = rng.standard_normal((2, 1, 4, 16)).astype(dtype)
+    out, out_k = np.zeros_like(x), np.zeros_like(k)
+
+    def call(x=x, cos=cos, sin=sin, ids=ids, out=out, out_k=out_k):
+        if two:
+            return numba_rope.rotary_embedding_qk(x, k, cos, sin, ids, out_q=out, out_k=out_k)
+        return numba_rope.rotary_embedding(x, cos, sin, ids, out=out)
+
+    kind = "qk" if two else "one"
+    _repeat(call)
+    assert fast_runs[kind][0] >= 1
+    out[...], out_k[...] = 0, 0
+    frozen = np.zeros_like(x)
+    frozen.flags.writeable = False
+    calls = {
+        "caches of one axis more": lambda: call(cos=cos[None], sin=sin[None]),
+        "cos of one axis less": lambda: call(cos=cos.reshape(-1)),
+        "sin of one axis more": lambda: call(sin=sin[None]),
+        "out of one axis more": lambda: call(out=out[None]),
+        "out of one axis less": lambda: call(out=out.reshape(-1, *x.shape[2:])),
+        "read-only out": lambda: call(out=frozen),
+    }
+    if with_ids:
+        calls["ids of one axis less"] = lambda: call(ids=ids.reshape(-1))
+        calls["ids of one axis more"] = lambda: call(ids=ids[None])
+    if two:
+        frozen_k = np.zeros_like(k)
+        frozen_k.flags.writeable = False
+        calls["out_k of one axis more"] = lambda: call(out_k=out_k[None])
+        calls["read-only out_k"] = lambda: call(out_k=frozen_k)
+    ran, refused = fast_runs[kind]
+    with_plan = {name: _outcome(call) for name, call in calls.items()}
+    assert fast_runs[kind] == [ran, refused + len(calls)]  # each found, each refused
+    assert not out.any() and not out_k.any() and not frozen.any()
+    _assert_same_without_plans(calls, with_plan)
+    for name, outcome in with_plan.items():
+        assert outcome[0] in (ValueError, IndexError), (name, outcome)
+    assert "read-only" in with_plan["read-only out"][1]
+
+
 def test_compiled_plan_writes_nothing_when_it_refuses(rng):
     # The compiled function alone: a bad id or an overlapping output is refused before
     # any element is written (the general path then raises or copies).
@@ -525,11 +578,17 @@ def test_compiled_plans_of_the_helpers_size_share_while_the_helper_is_usable(
     monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", x.size)
     monkeypatch.setattr(config, "CHUNKS_PER_THREAD", 4)  # several chunks to share
     shared_runs = []
+
+    class Counted:  # a dispatcher whose compiled entry points count their calls
+        def __init__(self, dispatcher):
+            self.dispatcher = dispatcher
+
+        def compile(self, kinds):
+            entry = self.dispatcher.compile(kinds)
+            return lambda *a: shared_runs.append(1) or entry(*a)
+
     for name in ("planned_shared_one", "planned_shared"):
-        entry = getattr(cpu_backend, name)
-        monkeypatch.setattr(
-            cpu_backend, name, lambda *a, entry=entry: shared_runs.append(1) or entry(*a)
-        )
+        monkeypatch.setattr(cpu_backend, name, Counted(getattr(cpu_backend, name)))
     if two:
         want = (float32_contract(x, cos, sin, ids), float32_contract(k, cos, sin, ids))
 

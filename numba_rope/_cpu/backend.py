@@ -17,6 +17,7 @@ Python work, and falls back to the full path whenever it cannot decide alone.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -923,12 +924,47 @@ def remember_fast(
     dtype, cache_dtype = key[1], key[2]  # fast_key holds (shape, dtype, cache dtype, ...)
     # A plan of the helper's size is shared with it (when usable) by the elements.
     shared_size = 0 if split is None else x_view.size + (0 if k_view is None else k_view.size)
+    two = k_view is not None
+    arrays = (
+        (x_view, k_view, cos_view, sin_view, positions, out_view, out_k_view, plan)
+        if two
+        else (x_view, cos_view, sin_view, positions, out_view, plan)
+    )
+    entry = (planned if two else planned_one).compile(entry_types(arrays))
+    shared_entry = None  # compiled at its first use: a process of one thread never shares
+    if split is not None:
+        block = np.zeros(1, np.int64)  # the type of a helper's control block
+        shared = planned_shared if two else planned_shared_one
+        shared_entry = functools.partial(shared.compile, entry_types((*arrays, block)))
+    ndims = (cos_view.ndim, None if positions is None or type(positions) is int else positions.ndim)
+    run = fast_call(
+        plan, dtype, cache_dtype, to_bhsd, x_split, k_split, two, shared_size,
+        (entry, shared_entry), ndims,
+    )  # fmt: skip
     FAST[key] = (
-        fast_call(
-            plan, dtype, cache_dtype, to_bhsd, x_split, k_split, k_view is not None, shared_size
-        ),
+        run,
         plan,
         function,  # kept alive with the plan that holds its address
+    )
+
+
+def entry_types(arrays: tuple) -> tuple:
+    """The types of arguments like ``arrays`` for a compiled plan's entry point: as
+    numba types them, every array taken as writable and of any layout (numba "A").
+
+    A compiled plan (:func:`fast_call`) calls the entry point of these types of a
+    ``kernels.planned*`` function (``dispatcher.compile(types)``, compiled or loaded
+    from the cache) directly, without numba's dispatch (which types each argument and
+    looks the types up) and with the caller's float16 and bfloat16 arrays as they are
+    (no 16-bit integer views, which numba needs to type them). The entry point unboxes
+    each array as one of the compiled type without looking at its dtype or number of
+    axes (numba checks the item size only): its caller must pass arrays of the dtype
+    (or of one of the same item size: a 16-bit format for its integer storage) and of
+    the number of axes of ``arrays``, and writable outputs; ``kernels.run_planned``
+    checks shapes and strides."""
+    return tuple(
+        kind.copy(layout="A", readonly=False) if isinstance(kind, numba.types.Array) else kind
+        for kind in map(numba.typeof, arrays)
     )
 
 
@@ -940,80 +976,95 @@ def fast_call(
     x_split: tuple[int, ...] | None,
     k_split: tuple[int, ...] | None,
     two: bool,
-    shared_size: int = 0,
+    shared_size: int,
+    entries: tuple[Callable[..., Any], Callable[[], Callable[..., Any]] | None],
+    ndims: tuple[int, int | None],
 ) -> Callable[..., Any]:
     """The function that runs a call by the compiled plan ``plan`` (found by
     :func:`fast_key`: the input, caches, ids and offsets are of its dtypes) and returns
     its output (a tuple of both for q and k), or returns None, having written nothing,
     when it is not that plan's call: k, ``sin_cache`` or an output of another type,
-    dtype or shape, an offset beyond int64 or offsets of another number of axes, or
-    whatever :func:`~numba_rope._cpu.kernels.planned` refuses. The general path then
-    takes the call.
+    dtype or number of axes, caches or ids of another number of axes, a read-only
+    output, an offset beyond int64 or offsets of another number of axes, or whatever
+    :func:`~numba_rope._cpu.kernels.planned` refuses (shapes, strides, positions). The
+    general path then takes the call.
 
     One tensor: ``run(x, cos, sin, position_ids, out, offset)``; q and k (``two``):
     ``run(x, k, cos, sin, position_ids, out, out_k, offset)``. Made once per plan, with
-    what the plan decides (16-bit storage views, BHSD views of heads inside tokens)
-    settled here: a float32 seed call then checks only its arguments (about 0.3 us
-    less of Python than one function for every plan). Dtypes are compared by identity
-    first (NumPy's native dtypes are one object each), then by equality (an equal dtype
-    can be another object: ``newbyteorder("=")``, unpickled arrays), written out
-    inline: a helper function would be a Python call per comparison.
+    what the plan decides (BHSD views of heads inside tokens) settled here: a float32
+    seed call then checks only its arguments (about 0.3 us less of Python than one
+    function for every plan). Dtypes are compared by identity first (NumPy's native
+    dtypes are one object each), then by equality (an equal dtype can be another
+    object: ``newbyteorder("=")``, unpickled arrays), written out inline: a helper
+    function would be a Python call per comparison.
+
+    ``entries``: the compiled entry point of ``kernels.planned_one`` (or ``planned``),
+    and a function that compiles that of its shared twin at its first use (None for a
+    plan of a call below the helper's size), both of :func:`entry_types`, called
+    directly: the arrays go as they are, 16-bit ones
+    included, and what numba's dispatch would have checked by their types is checked
+    here first (dtypes, numbers of axes: ``ndims`` holds the caches' and the ids', None
+    for no ids; writable outputs). 16-bit seed calls took 0.82-0.87x the time of four
+    integer views and numba's dispatch, about 0.9 us less (one-process A/B on the Intel
+    AVX-512 VM, docs/performance.md, "Twenty-ninth session").
 
     ``shared_size``: 0, or for the plan of a call of the helper's size its elements (x
     and k): the call is then shared with the helper thread when ``helper.usable``
     says so at the time of the call (more than one numba thread for this thread), as
     the general path decides, else run on this thread. The helper is looked up at each
     call: a forked child has its own."""
-    storage, cache_storage = storage_dtype(dtype), storage_dtype(cache_dtype)
-    views = storage is not None or cache_storage is not None or to_bhsd
+    entry, compile_shared = entries
+    shared: list[Callable[..., Any]] = []  # the shared twin's, once compiled
+    cache_ndim, ids_ndim = ndims
+
     ndarray, empty, placing = np.ndarray, np.empty, pool.empty
     # Outputs that pool.empty places (see make_plan), the others NumPy's.
     placed = pool.LINE_MIN_BYTES if dtype == np.float32 else pool.MIN_BYTES
 
-    def view(array: np.ndarray, split: tuple[int, ...] | None) -> np.ndarray:
-        # An input or output as the kernels take it (bhsd_array with its steps made
-        # once: the plan checks the shapes).
-        if storage is not None:
-            array = array.view(storage)
-        if to_bhsd:
-            if split is not None:
-                array = array.reshape(split)
-            array = array.transpose(SWAP_HEADS_AND_TOKENS)
-        return array
+    def bhsd(array: np.ndarray, split: tuple[int, ...] | None) -> np.ndarray:
+        # bhsd_array with its steps made once (the plan checks the shapes).
+        if split is not None:
+            array = array.reshape(split)
+        return array.transpose(SWAP_HEADS_AND_TOKENS)
 
     if not two:
 
         def run(x: Any, cos: Any, sin: Any, position_ids: Any, out: Any, offset: Any) -> Any:
-            if type(sin) is not ndarray or (
-                sin.dtype is not cache_dtype and sin.dtype != cache_dtype
+            if (
+                type(sin) is not ndarray
+                or (sin.dtype is not cache_dtype and sin.dtype != cache_dtype)
+                or cos.ndim != cache_ndim
+                or sin.ndim != cache_ndim
             ):
                 return None
             if offset is not None:
                 position_ids = _fast_positions(offset)  # offsets stand in for the ids
                 if position_ids is None:
                     return None
+            elif position_ids is not None and position_ids.ndim != ids_ndim:
+                return None
             if out is None:
                 out = (empty if x.nbytes < placed else placing)(x.shape, dtype)
-            elif type(out) is not ndarray or (out.dtype is not dtype and out.dtype != dtype):
+            elif (
+                type(out) is not ndarray
+                or (out.dtype is not dtype and out.dtype != dtype)
+                or out.ndim != x.ndim
+                or not out.flags.writeable
+            ):
                 return None
             x_view, out_view = x, out
-            if views:
-                if to_bhsd and out.shape != x.shape:
+            if to_bhsd:
+                if out.shape != x.shape:
                     return None  # (3-D outputs must have the input's shape to be reshaped)
-                if cache_storage is not None:
-                    cos, sin = cos.view(cache_storage), sin.view(cache_storage)
-                if to_bhsd:
-                    x_view, out_view = view(x, x_split), view(out, x_split)
-                elif storage is not None:  # no call to view(): a Python hop each
-                    x_view, out_view = x.view(storage), out.view(storage)
+                x_view, out_view = bhsd(x, x_split), bhsd(out, x_split)
             if shared_size and helper.usable(shared_size):
                 the_helper = helper.helper()
                 the_helper.start()
-                status = planned_shared_one(
-                    x_view, cos, sin, position_ids, out_view, plan, the_helper.block
-                )
+                if not shared:
+                    shared.append(compile_shared())  # type: ignore[misc]
+                status = shared[0](x_view, cos, sin, position_ids, out_view, plan, the_helper.block)
             else:
-                status = planned_one(x_view, cos, sin, position_ids, out_view, plan)
+                status = entry(x_view, cos, sin, position_ids, out_view, plan)
             return out if status == DONE else None
 
         return run
@@ -1021,7 +1072,12 @@ def fast_call(
     def run_qk(
         x: Any, k: Any, cos: Any, sin: Any, position_ids: Any, out: Any, out_k: Any, offset: Any
     ) -> Any:
-        if type(sin) is not ndarray or (sin.dtype is not cache_dtype and sin.dtype != cache_dtype):
+        if (
+            type(sin) is not ndarray
+            or (sin.dtype is not cache_dtype and sin.dtype != cache_dtype)
+            or cos.ndim != cache_ndim
+            or sin.ndim != cache_ndim
+        ):
             return None
         if type(k) is not ndarray or (k.dtype is not dtype and k.dtype != dtype):
             return None
@@ -1029,35 +1085,43 @@ def fast_call(
             position_ids = _fast_positions(offset)
             if position_ids is None:
                 return None
+        elif position_ids is not None and position_ids.ndim != ids_ndim:
+            return None
         if out is None:
             out = (empty if x.nbytes < placed else placing)(x.shape, dtype)
-        elif type(out) is not ndarray or (out.dtype is not dtype and out.dtype != dtype):
+        elif (
+            type(out) is not ndarray
+            or (out.dtype is not dtype and out.dtype != dtype)
+            or out.ndim != x.ndim
+            or not out.flags.writeable
+        ):
             return None
         if out_k is None:
             out_k = (empty if k.nbytes < placed else placing)(k.shape, dtype)
-        elif type(out_k) is not ndarray or (out_k.dtype is not dtype and out_k.dtype != dtype):
+        elif (
+            type(out_k) is not ndarray
+            or (out_k.dtype is not dtype and out_k.dtype != dtype)
+            or out_k.ndim != k.ndim
+            or not out_k.flags.writeable
+        ):
             return None
         x_view, k_view, out_view, out_k_view = x, k, out, out_k
-        if views:
-            if to_bhsd and (out.shape != x.shape or out_k.shape != k.shape):
+        if to_bhsd:
+            if out.shape != x.shape or out_k.shape != k.shape:
                 return None
-            if cache_storage is not None:
-                cos, sin = cos.view(cache_storage), sin.view(cache_storage)
-            if to_bhsd:
-                x_view, k_view = view(x, x_split), view(k, k_split)
-                out_view, out_k_view = view(out, x_split), view(out_k, k_split)
-            elif storage is not None:  # no call to view(): a Python hop each
-                x_view, k_view = x.view(storage), k.view(storage)
-                out_view, out_k_view = out.view(storage), out_k.view(storage)
+            x_view, k_view = bhsd(x, x_split), bhsd(k, k_split)
+            out_view, out_k_view = bhsd(out, x_split), bhsd(out_k, k_split)
         if shared_size and helper.usable(shared_size):
             the_helper = helper.helper()
             the_helper.start()
-            status = planned_shared(
+            if not shared:
+                shared.append(compile_shared())  # type: ignore[misc]
+            status = shared[0](
                 x_view, k_view, cos, sin, position_ids, out_view, out_k_view, plan,
                 the_helper.block,
             )  # fmt: skip
         else:
-            status = planned(x_view, k_view, cos, sin, position_ids, out_view, out_k_view, plan)
+            status = entry(x_view, k_view, cos, sin, position_ids, out_view, out_k_view, plan)
         return (out, out_k) if status == DONE else None
 
     return run_qk

@@ -10,7 +10,9 @@ then k's, so that k reuses the tile's cos/sin rows.
 The kernels trust their arguments: :mod:`numba_rope._validation` has checked shapes,
 dtypes and options; positions are checked here, before anything is written, and
 reported by a status code that :mod:`numba_rope._cpu.backend` decodes. float16 and
-bfloat16 arrays arrive as 16-bit integer views (see :mod:`numba_rope._conversions`).
+bfloat16 arrays arrive as 16-bit integer views (see :mod:`numba_rope._conversions`), or,
+through a compiled plan's entry point, as the caller's arrays unboxed as such
+(:func:`numba_rope._cpu.backend.entry_types`).
 """
 
 from __future__ import annotations
