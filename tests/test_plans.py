@@ -336,6 +336,33 @@ def test_compiled_plan_gives_the_contract_bits(rng, fast_runs, dtype, options):
     assert fast_runs == {"one": [2, 0], "qk": [0, 0]}  # the last two calls, by the plan
 
 
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=[d.name for d in DTYPES[1:]])
+@pytest.mark.parametrize("two", [False, True], ids=["one", "qk"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_compiled_plan_of_16bit_input_and_float32_caches_gives_the_contract_bits(
+    rng, fast_runs, dtype, two, layout
+):
+    # The 16-bit input goes to the compiled function as it is, the float32 caches too:
+    # the bits are the contract's (caches widened exactly, one rounding of the result).
+    shape = (2, 3, 4, 16)
+    _, cos, sin, ids = make_case(rng, shape, np.float32, n_positions=9)
+    k_shape = (2, 1, 4, 16)
+    for _ in range(cpu_backend.FAST_AFTER + 3):  # new values each call
+        x4 = rng.standard_normal(shape).astype(dtype)
+        k4 = rng.standard_normal(k_shape).astype(dtype)
+        x, k = (a if layout == "bhsd" else a.transpose(0, 2, 1, 3).copy() for a in (x4, k4))
+        if two:
+            got = numba_rope.rotary_embedding_qk(x, k, cos, sin, ids, layout=layout)
+        else:
+            got = (numba_rope.rotary_embedding(x, cos, sin, ids, layout=layout),)
+        if layout == "bshd":
+            got = tuple(g.transpose(0, 2, 1, 3) for g in got)
+        for g, want in zip(got, (x4, k4), strict=False):
+            assert g.dtype == dtype
+            assert_bitwise_equal(g, float32_contract(want, cos, sin, ids))
+    assert fast_runs["qk" if two else "one"] == [2, 0]  # the last two calls, by the plan
+
+
 def _outcome(call):
     """What a call gives: its results' bytes, or its exception's type and message."""
     try:
