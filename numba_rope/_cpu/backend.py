@@ -1001,10 +1001,10 @@ def fast_call(
     ``entries``: the compiled entry point of ``kernels.planned_one`` (or ``planned``),
     and a function that compiles that of its shared twin at its first use (None for a
     plan of a call below the helper's size), both of :func:`entry_types`, called
-    directly: the arrays go as they are, 16-bit ones
-    included, and what numba's dispatch would have checked by their types is checked
-    here first (dtypes, numbers of axes: ``ndims`` holds the caches' and the ids', None
-    for no ids; writable outputs). 16-bit seed calls took 0.82-0.87x the time of four
+    directly: the arrays go as they are, 16-bit ones included, and what numba's
+    dispatch would have checked by their types is checked here first (dtypes, numbers
+    of axes: ``ndims`` holds the caches' and the ids', None for no ids; writable
+    outputs). 16-bit seed calls took 0.82-0.87x the time of four
     integer views and numba's dispatch, about 0.9 us less (one-process A/B on the Intel
     AVX-512 VM, docs/performance.md, "Twenty-ninth session").
 
