@@ -207,11 +207,11 @@ def _torch_host_views(arguments: tuple, names: tuple[str, ...]) -> tuple | None:
     views: dict[int, Any] = {}
     converted = []
     for argument, name in zip(arguments, names, strict=True):
-        if argument is None or type(argument) is np.ndarray or is_scalar(argument):
+        if argument is None or type(argument) is np.ndarray:
             converted.append(argument)
             continue
-        kind = library(argument)
-        if kind == "numpy":  # numpy.memmap
+        kind = library(argument)  # (before is_scalar: tensors are the common case here)
+        if kind == "numpy" or (kind is None and is_scalar(argument)):  # numpy.memmap
             converted.append(argument)
             continue
         if kind != "torch_cpu":
