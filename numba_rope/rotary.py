@@ -182,6 +182,20 @@ def rotary_embedding(
                 )
                 if result is not None:
                     return result
+    elif type(input).__module__ == "torch" and (
+        position_offset is None or type(position_offset) is int
+    ):
+        # Plain torch CPU tensors: the NumPy call on their views, its plans included
+        # (what _rotate does for any torch CPU call, with less work on the way).
+        views = torch_host.plain_views((input, cos_cache, sin_cache, position_ids, out))
+        if views is not None:
+            result = rotary_embedding(
+                views[0], views[1], views[2], views[3], interleaved=interleaved,
+                rotary_embedding_dim=rotary_embedding_dim, out=views[4], layout=layout,
+                num_heads=num_heads, position_offset=position_offset, inverse=inverse,
+                stream=stream, check_position_ids=check_position_ids,
+            )  # fmt: skip
+            return torch_host.result_of(input, out, result)
     options = (interleaved, rotary_embedding_dim, layout, num_heads, None, inverse)
     return _rotate(
         SINGLE_NAMES,
@@ -437,6 +451,20 @@ position_offset, inverse, stream, check_position_ids
                 )
                 if results is not None:
                     return results
+    elif type(q).__module__ == "torch" and (
+        position_offset is None or type(position_offset) is int
+    ):
+        # Plain torch CPU tensors: as in rotary_embedding.
+        views = torch_host.plain_views((q, k, cos_cache, sin_cache, position_ids, out_q, out_k))
+        if views is not None:
+            results = rotary_embedding_qk(
+                views[0], views[1], views[2], views[3], views[4], interleaved=interleaved,
+                rotary_embedding_dim=rotary_embedding_dim, out_q=views[5], out_k=views[6],
+                layout=layout, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                position_offset=position_offset, inverse=inverse, stream=stream,
+                check_position_ids=check_position_ids,
+            )  # fmt: skip
+            return torch_host.as_results((q, k), (out_q, out_k), results)
     options = (interleaved, rotary_embedding_dim, layout, num_heads, num_kv_heads, inverse)
     return _rotate(
         QK_NAMES,

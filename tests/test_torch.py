@@ -189,6 +189,78 @@ def test_repeated_small_calls_take_the_plans_of_numpy_calls(rng, monkeypatch, dt
     assert general == []  # every call above ran a plan
 
 
+@pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
+def test_plain_tensors_take_one_pass_and_others_the_general_path(rng, monkeypatch, dtype_name):
+    """Calls whose tensors are plain (``torch.Tensor`` itself on the CPU, strided, no
+    autograd, no negative or conjugate bit; an ``int`` offset or none) are viewed in one
+    pass (``torch_host.plain_views``) and made as the NumPy call; any other goes the
+    general path (``rotary._torch_host_views``), which resolves or refuses what it
+    finds. Both give the contract's bits, write the tensors' own memory and count
+    the write in ``out``'s version."""
+    from numba_rope import rotary
+
+    dtype = NUMPY_DTYPES[dtype_name]
+    x, cos, sin = case(rng, dtype)
+    k = rng.standard_normal((2, 1, 5, 8)).astype(dtype)
+    want = reference.rotary_embedding(x, cos, sin, position_offset=3, precision="contract")
+    want_k = reference.rotary_embedding(k, cos, sin, position_offset=3, precision="contract")
+    general = []
+    views = rotary._torch_host_views
+    monkeypatch.setattr(rotary, "_torch_host_views", lambda *a: general.append(1) or views(*a))
+    tc, ts = tensor(cos), tensor(sin)
+
+    for _ in range(cpu_backend.FAST_AFTER + 2):  # compiled plans of the NumPy call too
+        got = numba_rope.rotary_embedding(tensor(x), tc, ts, position_offset=3)
+        assert isinstance(got, torch.Tensor) and got.dtype == tc.dtype
+        np.testing.assert_array_equal(host(got), want)
+        out = torch.zeros_like(tc.new_empty(x.shape))
+        version = out._version
+        assert numba_rope.rotary_embedding(tensor(x), tc, ts, position_offset=3, out=out) is out
+        assert out._version > version
+        np.testing.assert_array_equal(host(out), want)
+        work = tensor(x.copy())
+        assert numba_rope.rotary_embedding(work, tc, ts, position_offset=3, out=work) is work
+        np.testing.assert_array_equal(host(work), want)
+        q_work, k_work = tensor(x.copy()), tensor(k.copy())
+        got_q, got_k = numba_rope.rotary_embedding_qk(
+            q_work, k_work, tc, ts, position_offset=3, out_q=q_work, out_k=k_work
+        )
+        assert got_q is q_work and got_k is k_work
+        np.testing.assert_array_equal(host(q_work), want)
+        np.testing.assert_array_equal(host(k_work), want_k)
+        got_q, got_k = numba_rope.rotary_embedding_qk(
+            tensor(x), tensor(k), tc, ts, position_offset=3
+        )
+        np.testing.assert_array_equal(host(got_q), want)
+        np.testing.assert_array_equal(host(got_k), want_k)
+    assert general == []
+
+    class Mine(torch.Tensor):
+        pass
+
+    others = {
+        "a subclass": lambda: numba_rope.rotary_embedding(
+            tensor(x).as_subclass(Mine), tc, ts, position_offset=3
+        ),
+        "a negative view": lambda: numba_rope.rotary_embedding(
+            torch._neg_view(-tensor(x)), tc, ts, position_offset=3
+        ),
+        "an offset tensor": lambda: numba_rope.rotary_embedding(
+            tensor(x), tc, ts, position_offset=torch.tensor(3)
+        ),
+        "requiring grad, under no_grad": lambda: numba_rope.rotary_embedding(
+            tensor(x.copy()).requires_grad_(), tc, ts, position_offset=3
+        ),
+    }
+    for name, call in others.items():
+        with torch.no_grad():
+            got = call()
+        np.testing.assert_array_equal(host(got), want, err_msg=name)
+    assert len(general) == len(others)
+    with pytest.raises(TypeError, match="input requires grad"):  # named by the general path
+        numba_rope.rotary_embedding(tensor(x.copy()).requires_grad_(), tc, ts, position_offset=3)
+
+
 def test_in_place_bump_makes_a_stale_graph_fail(rng):
     """A tensor saved for backward and then rotated in place: backward refuses, as
     after any in-place torch operation (no silent gradient of stale values)."""
