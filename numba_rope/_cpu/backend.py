@@ -1058,10 +1058,10 @@ def fast_call(
                     return None  # (3-D outputs must have the input's shape to be reshaped)
                 x_view, out_view = bhsd(x, x_split), bhsd(out, x_split)
             if shared_size and helper.usable(shared_size):
+                if not shared:  # compiled before the helper starts to spin
+                    shared.append(compile_shared())  # type: ignore[misc]
                 the_helper = helper.helper()
                 the_helper.start()
-                if not shared:
-                    shared.append(compile_shared())  # type: ignore[misc]
                 status = shared[0](x_view, cos, sin, position_ids, out_view, plan, the_helper.block)
             else:
                 status = entry(x_view, cos, sin, position_ids, out_view, plan)
@@ -1112,10 +1112,10 @@ def fast_call(
             x_view, k_view = bhsd(x, x_split), bhsd(k, k_split)
             out_view, out_k_view = bhsd(out, x_split), bhsd(out_k, k_split)
         if shared_size and helper.usable(shared_size):
+            if not shared:  # compiled before the helper starts to spin
+                shared.append(compile_shared())  # type: ignore[misc]
             the_helper = helper.helper()
             the_helper.start()
-            if not shared:
-                shared.append(compile_shared())  # type: ignore[misc]
             status = shared[0](
                 x_view, k_view, cos, sin, position_ids, out_view, out_k_view, plan,
                 the_helper.block,
