@@ -65,9 +65,7 @@ def host_view(tensor: Any, argument: str) -> np.ndarray:
     if tensor.requires_grad:  # (under torch.no_grad(): numpy() refuses such a tensor)
         tensor = tensor.detach()  # not for the others: a new tensor object, 0.3 us
     if tensor.dtype is torch.bfloat16:
-        import ml_dtypes  # not at import time: it costs more than the rest of numba_rope
-
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return bfloat16_view(tensor)
     try:
         return tensor.numpy()
     except TypeError:  # a dtype NumPy has no type for (float8, complex32, ...)
@@ -112,9 +110,7 @@ def plain_views(arrays: tuple) -> list | None:
             ):
                 return None
             if array.dtype is bfloat16:
-                import ml_dtypes
-
-                view = array.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+                view = bfloat16_view(array)
             else:
                 try:
                     view = array.numpy()
@@ -125,14 +121,26 @@ def plain_views(arrays: tuple) -> list | None:
     return views
 
 
+def bfloat16_view(tensor: Any) -> np.ndarray:
+    """A NumPy view of a bfloat16 tensor's memory, as ``ml_dtypes.bfloat16`` (through
+    an ``int16`` view: NumPy has no bfloat16 of its own)."""
+    import ml_dtypes  # not at import time: it costs more than the rest of numba_rope
+    import torch
+
+    return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+
+
 def result_of(x: Any, out: Any, result: np.ndarray) -> Any:
-    """:func:`as_results` of one tensor (``x`` a tensor): ``out`` when given (a torch
-    ``out`` has its version counter bumped), else a torch tensor over ``result``."""
-    if out is None:
-        return tensor_over(result)
-    if type(out) is not np.ndarray:
-        bump_version(out)
-    return out
+    """A result of a call run on NumPy views as its input's kind: ``out`` itself when
+    given (a torch ``out`` has its version counter bumped), else a torch tensor over
+    the result's memory for a torch input, the NumPy result for a NumPy input."""
+    if out is not None:
+        if not isinstance(out, np.ndarray):
+            bump_version(out)
+        return out
+    if isinstance(x, np.ndarray):
+        return result  # a NumPy input: a NumPy result
+    return tensor_over(result)
 
 
 def tensor_over(array: np.ndarray) -> Any:
@@ -147,18 +155,11 @@ def tensor_over(array: np.ndarray) -> Any:
 def as_results(inputs: tuple, outs: tuple, results: tuple) -> tuple:
     """Each result of a call run on NumPy views as its input's kind: ``out`` itself
     when given (a torch ``out`` has its version counter bumped), else a torch tensor
-    over the result's memory for a torch input, the NumPy result for a NumPy input."""
-    returned = []
-    for x, out, result in zip(inputs, outs, results, strict=True):
-        if out is not None:
-            if not isinstance(out, np.ndarray):
-                bump_version(out)
-            returned.append(out)
-        elif not isinstance(x, np.ndarray):
-            returned.append(tensor_over(result))
-        else:
-            returned.append(result)  # a NumPy input: a NumPy result
-    return tuple(returned)
+    over the result's memory for a torch input, the NumPy result for a NumPy input
+    (:func:`result_of` of each)."""
+    return tuple(
+        result_of(x, out, result) for x, out, result in zip(inputs, outs, results, strict=True)
+    )
 
 
 def bump_version(tensor: Any) -> None:
