@@ -11,6 +11,7 @@ numba_rope accepts, without importing a library the caller did not use:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -73,7 +74,13 @@ def to_host(array: Any) -> np.ndarray:
     if isinstance(array, np.ndarray):
         return array
     if _is_torch(array):
-        return array.detach().cpu().numpy()
+        import torch
+
+        # Under a torch.func transform (vmap, grad, jvp) even a tensor it does not
+        # transform reads as a wrapper without storage: read it below the transforms.
+        below = getattr(torch._C, "_DisableFuncTorch", contextlib.nullcontext)
+        with below():
+            return array.detach().cpu().numpy()
     if _is_cupy(array):  # pragma: no cover - needs CuPy and a GPU
         return array.get()
     if hasattr(array, "copy_to_host"):  # Numba device arrays, real or simulated

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from numba_rope._autograd import forward_ad_active, tangent
 from numba_rope._interop import add_leading_axis, like, to_host
 from numba_rope.rotary import rotary_embedding, rotary_embedding_qk
 
@@ -199,19 +200,28 @@ def _operator_checks(x: Any, seqlen_offsets: Any) -> bool:
     )
 
 
+def _records_autograd(x: Any) -> bool:
+    """Whether autograd follows ``x``: a torch tensor that requires grad under grad
+    mode, or one that carries a forward-mode tangent."""
+    if not hasattr(x, "requires_grad"):
+        return False
+    import torch
+
+    if x.requires_grad and torch.is_grad_enabled():
+        return True
+    return forward_ad_active() and tangent(x) is not None
+
+
 def _rotate(x: Any, cos: Any, sin: Any, position_ids: Any, out: Any, **options: Any) -> Any:
     """The operator, checks of positions already made: through :mod:`numba_rope.torch`
     (differentiable with respect to ``x``, as flash-attn's function is) for a torch
-    tensor that records autograd, through :func:`numba_rope.rotary_embedding`
-    otherwise. In place on a tensor that records autograd is refused there, with the
-    way out."""
-    if out is None and getattr(x, "requires_grad", False):
-        import torch
+    tensor that records autograd (reverse mode, or a forward-mode tangent), through
+    :func:`numba_rope.rotary_embedding` otherwise. In place on a tensor that records
+    autograd is refused there, with the way out."""
+    if out is None and type(x) is not np.ndarray and _records_autograd(x):
+        from numba_rope import torch as differentiable
 
-        if torch.is_grad_enabled():
-            from numba_rope import torch as differentiable
-
-            return differentiable.rotary_embedding(x, cos, sin, position_ids, **options)
+        return differentiable.rotary_embedding(x, cos, sin, position_ids, **options)
     return rotary_embedding(x, cos, sin, position_ids, out=out, check_position_ids=False, **options)
 
 

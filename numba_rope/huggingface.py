@@ -165,17 +165,13 @@ def apply_rotary_pos_emb(
                 rotary_embedding_dim=rotary_dim,
                 layout=layout,
             )
-        if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
-            raise NotImplementedError(
-                "numba_rope differentiates with respect to q and k only; cos and sin "
-                "require grad: pass cos.detach() and sin.detach()"
-            )
+        numba_rope.torch._check_caches(cos, sin)  # (gradients for q and k only)
         if ids is not None and not _is_torch(ids):
             ids = torch.as_tensor(ids, device=q.device)
         # The op checks the halves, halves the caches and broadcasts a one-row table over
         # the batch where the data are real (under torch.compile too); it is
-        # differentiable with respect to q and k.
-        return torch.ops.numba_rope.rotary_embedding_qk(
+        # differentiable with respect to q and k (_two records either mode).
+        return numba_rope.torch._two(
             q, k, cos, sin, ids, None, None, False, rotary_dim, layout, None, None, False, True
         )
     return rotary_embedding_qk(

@@ -9,10 +9,17 @@ torch custom ops ``torch.ops.numba_rope.rotary_embedding`` and
 implementation for shapes and a registered backward, so ``torch.compile(...,
 fullgraph=True)`` traces a model that uses them, on the CPU and the GPU.
 
+Forward mode too: under ``torch.autograd.forward_ad`` and ``torch.func.jvp`` (or
+``jacfwd``) the output's tangent is the input's tangent rotated by the same angles (the
+operator is linear in its input). ``torch.func.grad``, ``vjp``, ``jacrev`` and ``vmap``
+go through these functions as well (``vmap`` by torch's loop over the batch: the ops
+have no batching rule yet, and torch warns so). The ops called directly through
+``torch.ops`` record reverse mode only, as any torch custom op.
+
 The cos/sin caches are constants (built by :func:`numba_rope.rope_cache` or a rotary
 module under ``no_grad``); gradients with respect to them are not computed: caches
-that require grad are refused with ``NotImplementedError`` rather than given a
-silent zero gradient (pass ``cache.detach()``).
+that require grad or carry a forward-mode tangent are refused with
+``NotImplementedError`` rather than given a silent zero (pass ``cache.detach()``).
 
 Importing this module imports torch; ``import numba_rope`` does not.
 
@@ -37,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from numba_rope._autograd import forward_ad_active, tangent
 from numba_rope._halves import first_half
 from numba_rope.rotary import rotary_embedding as _rotate_one
 from numba_rope.rotary import rotary_embedding_qk as _rotate_two
@@ -157,20 +165,24 @@ _CACHE_GRADIENT = (
 )
 
 
-def _setup(ctx: Any, inputs: tuple, output: Any) -> None:
-    two = len(inputs) == 14
-    first_cache = 2 if two else 1
+def _constants(inputs: tuple) -> tuple:
+    """The tensors a derivative reuses (cos, sin, position ids, offsets), the int
+    offset, and the options (interleaved ... full_width), from an op's inputs."""
+    first_cache = 2 if len(inputs) == 14 else 1  # (q and k, or one tensor)
     cos, sin, ids, offset, offsets = inputs[first_cache : first_cache + 5]
-    ctx.save_for_backward(cos, sin, ids, offsets)
-    ctx.offset = offset
-    ctx.options = inputs[first_cache + 5 :]  # interleaved ... full_width
+    return (cos, sin, ids, offsets), offset, inputs[first_cache + 5 :]
+
+
+def _setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    tensors, ctx.offset, ctx.options = _constants(inputs)
+    ctx.save_for_backward(*tensors)
 
 
 def _rotary_backward(ctx: Any, grad: Tensor) -> tuple:
     _refuse_cache_gradient(ctx.needs_input_grad, _CACHES_ONE)
     cos, sin, ids, offsets = ctx.saved_tensors
     interleaved, rotary_dim, layout, num_heads, inverse, full_width = ctx.options
-    grad_input = _rotary_op(
+    grad_input = _one(
         grad,
         cos,
         sin,
@@ -192,7 +204,7 @@ def _rotary_qk_backward(ctx: Any, grad_q: Tensor, grad_k: Tensor) -> tuple:
     _refuse_cache_gradient(ctx.needs_input_grad, _CACHES_TWO)
     cos, sin, ids, offsets = ctx.saved_tensors
     interleaved, rotary_dim, layout, num_heads, num_kv_heads, inverse, full_width = ctx.options
-    grads = _rotary_qk_op(
+    grads = _two(
         grad_q,
         grad_k,
         cos,
@@ -213,6 +225,122 @@ def _rotary_qk_backward(ctx: Any, grad_q: Tensor, grad_k: Tensor) -> tuple:
 
 _rotary_op.register_autograd(_rotary_backward, setup_context=_setup)
 _rotary_qk_op.register_autograd(_rotary_qk_backward, setup_context=_setup)
+
+
+# -- the ops as the public functions call them ---------------------------------------------
+# The ops above record reverse mode only: a torch custom op has no forward-mode rule, and
+# one called on a tensor that carries a forward-mode tangent returns a result without one
+# (torch 2.13), and torch.func's reverse transforms refuse the autograd function torch
+# generates for an op. So the public functions (and numba_rope.huggingface) call
+# :func:`_one` / :func:`_two`, which take the op itself where nothing is recorded and
+# under torch.compile (Dynamo traces the op with its registered autograd; an
+# autograd.Function would be traced through, which in torch 2.13 warns, and one that
+# defines ``jvp`` is refused), an autograd.Function of it where reverse mode records in
+# eager mode (torch.func.grad, vjp, jacrev included), and one with a forward-mode rule
+# (``jvp``) where a forward-mode level is open (torch.autograd.forward_ad,
+# torch.func.jvp, jacfwd). The derivative of a rotation with respect to the input is
+# the rotation itself (the operator is linear in it): the tangent is the op applied to
+# the input's tangent.
+
+
+def _save_for_forward(ctx: Any, inputs: tuple, output: Any) -> None:
+    _setup(ctx, inputs, output)
+    ctx.save_for_forward(*_constants(inputs)[0])
+    # q's and k's forms, for a zero tangent where only one of them carries one.
+    ctx.forms = [(x.shape, x.dtype, x.device) for x in inputs[:2]]
+
+
+class _Rotary(torch.autograd.Function):
+    """:func:`_rotary_op` recording reverse mode."""
+
+    generate_vmap_rule = True  # vmap runs the op itself (torch's loop over the batch)
+
+    @staticmethod
+    def forward(*inputs: Any) -> Any:
+        return _rotary_op(*inputs)
+
+    setup_context = staticmethod(_setup)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:  # type: ignore[override]
+        return _rotary_backward(ctx, grad)
+
+
+class _RotaryDual(_Rotary):
+    """:class:`_Rotary` with forward mode."""
+
+    setup_context = staticmethod(_save_for_forward)
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: Tensor | None, *others: Any) -> Tensor | None:  # type: ignore[override]
+        # The caches' tangents are None or the zeros torch.func makes for inputs that
+        # carry none: caches with one are refused before the call (_check_caches).
+        if tangent is None:
+            return None
+        cos, sin, ids, offsets = ctx.saved_tensors
+        return _one(tangent, cos, sin, ids, ctx.offset, offsets, *ctx.options)
+
+
+class _RotaryQK(torch.autograd.Function):
+    """:func:`_rotary_qk_op` recording reverse mode."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(*inputs: Any) -> Any:
+        return _rotary_qk_op(*inputs)
+
+    setup_context = staticmethod(_setup)
+
+    @staticmethod
+    def backward(ctx: Any, grad_q: Tensor, grad_k: Tensor) -> tuple:  # type: ignore[override]
+        return _rotary_qk_backward(ctx, grad_q, grad_k)
+
+
+class _RotaryQKDual(_RotaryQK):
+    """:class:`_RotaryQK` with forward mode."""
+
+    setup_context = staticmethod(_save_for_forward)
+
+    @staticmethod
+    def jvp(ctx: Any, tangent_q: Any, tangent_k: Any, *others: Any) -> tuple:  # type: ignore[override]
+        if tangent_q is None and tangent_k is None:
+            return None, None
+        tangent_q, tangent_k = (
+            torch.zeros(shape, dtype=dtype, device=device) if tangent is None else tangent
+            for tangent, (shape, dtype, device) in zip(
+                (tangent_q, tangent_k), ctx.forms, strict=True
+            )
+        )
+        cos, sin, ids, offsets = ctx.saved_tensors
+        return _two(tangent_q, tangent_k, cos, sin, ids, ctx.offset, offsets, *ctx.options)
+
+
+def _records(*inputs: Tensor) -> int:
+    """0: the op itself (nothing to record, or Dynamo tracing: the op and its registered
+    autograd go into the graph, as torch.compile expects of a custom op); 1: reverse
+    mode; 2: forward mode too (a level is open)."""
+    if torch.compiler.is_compiling():
+        return 0
+    if forward_ad_active():
+        return 2
+    return int(torch.is_grad_enabled() and any(x.requires_grad for x in inputs))
+
+
+def _one(*inputs: Any) -> Tensor:
+    """:func:`_rotary_op` (its arguments), recording what autograd needs (above)."""
+    mode = _records(inputs[0])
+    if mode == 0:
+        return _rotary_op(*inputs)
+    return (_RotaryDual if mode == 2 else _Rotary).apply(*inputs)
+
+
+def _two(*inputs: Any) -> tuple[Tensor, Tensor]:
+    """:func:`_rotary_qk_op` (its arguments), recording what autograd needs (above)."""
+    mode = _records(inputs[0], inputs[1])
+    if mode == 0:
+        return _rotary_qk_op(*inputs)
+    return (_RotaryQKDual if mode == 2 else _RotaryQK).apply(*inputs)
 
 
 # -- the public functions ---------------------------------------------------------------
@@ -271,6 +399,8 @@ def _offsets(position_offset: Any, like: Tensor) -> tuple[int | None, Tensor | N
 def _check_caches(cos: Tensor, sin: Tensor) -> None:
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         raise NotImplementedError(_CACHE_GRADIENT)
+    if forward_ad_active() and (tangent(cos) is not None or tangent(sin) is not None):
+        raise NotImplementedError(_CACHE_GRADIENT)
 
 
 def rotary_embedding(
@@ -317,7 +447,7 @@ def rotary_embedding(
     cos, sin = _tensor(cos_cache, input), _tensor(sin_cache, input)
     _check_caches(cos, sin)
     offset, offsets = _offsets(position_offset, input)
-    return _rotary_op(
+    return _one(
         input,
         cos,
         sin,
@@ -370,7 +500,7 @@ def rotary_embedding_qk(
     cos, sin = _tensor(cos_cache, q), _tensor(sin_cache, q)
     _check_caches(cos, sin)
     offset, offsets = _offsets(position_offset, q)
-    return _rotary_qk_op(
+    return _two(
         q,
         k,
         cos,

@@ -249,6 +249,32 @@ def test_torch_halves_refused_and_numpy_ids(hf):
     assert torch.equal(got, q + 1)  # angle 0: unchanged
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_forward_mode_tangents_of_q_and_k(rng):
+    """torch.func.jvp through the torch path (full-width tensor caches, halved in the
+    op): each tangent is its rotation (numba_rope.reference, float64); caches with a
+    tangent are refused. Before, the tangents were dropped without a word."""
+    torch = pytest.importorskip("torch")
+    q, k = rng.standard_normal((2, 4, 5, 8)), rng.standard_normal((2, 2, 5, 8))
+    cos, sin = full_width_caches(rng, 2, 5, 8, np.float64)
+    dq, dk = rng.standard_normal(q.shape), rng.standard_normal(k.shape)
+    tc, ts = torch.from_numpy(cos), torch.from_numpy(sin)
+    _, (tq, tk) = torch.func.jvp(
+        lambda a, b: apply_rotary_pos_emb(a, b, tc, ts),
+        (torch.from_numpy(q), torch.from_numpy(k)),
+        (torch.from_numpy(dq), torch.from_numpy(dk)),
+    )
+    half = cos[..., :4], sin[..., :4]
+    for got, direction in ((tq, dq), (tk, dk)):
+        np.testing.assert_array_equal(got.numpy(), reference.rotary_embedding(direction, *half))
+    with pytest.raises(NotImplementedError, match="cos_cache"):
+        torch.func.jvp(
+            lambda c: apply_rotary_pos_emb(torch.from_numpy(q), torch.from_numpy(k), c, ts),
+            (tc,),
+            (torch.ones_like(tc),),
+        )
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_compiles_in_a_module_with_fullgraph(hf):
     """A Llama-style block: transformers' rotary module, then this apply_rotary_pos_emb,

@@ -145,6 +145,30 @@ def test_flash_attn_is_differentiable_like_flash_attn(rng):
         flash_attn.apply_rotary_emb(x, cos, sin, inplace=True, cu_seqlens=cu_seqlens)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_flash_attn_forward_mode_equals_torch_arithmetic(rng):
+    """A tensor with a forward-mode tangent goes through numba_rope.torch too: the
+    tangent from torch.func.jvp equals torch's own forward mode through flash-attn's
+    arithmetic written here (float64, as above), variable-length batches included."""
+    lengths, offsets = [4, 2, 3], [1, 0, 6]
+    cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    x, direction = (torch.tensor(rng.standard_normal((9, 2, 10))) for _ in range(2))
+    cos = torch.tensor(rng.uniform(-1, 1, (12, 3)))
+    sin = torch.tensor(rng.uniform(-1, 1, (12, 3)))
+    rows = torch.cat([torch.arange(n) + o for n, o in zip(lengths, offsets, strict=True)])
+    _, got = torch.func.jvp(
+        lambda a: flash_attn.apply_rotary_emb(
+            a, cos, sin, seqlen_offsets=torch.tensor(offsets), cu_seqlens=cu_seqlens
+        ),
+        (x,),
+        (direction,),
+    )
+    _, want = torch.func.jvp(
+        lambda a: _rotate_half_torch(a, cos[rows], sin[rows], 6), (x,), (direction,)
+    )
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+
+
 def test_flash_attn_batch_form_is_differentiable(rng):
     x = torch.tensor(rng.standard_normal((2, 3, 2, 8)), requires_grad=True)
     cos = torch.tensor(rng.uniform(-1, 1, (10, 4)))

@@ -524,6 +524,218 @@ def test_cache_gradients_are_refused(rng):
         y.sum().backward()
 
 
+# -- forward mode and torch.func --------------------------------------------------------
+# torch's own warnings: forward mode's first use compiles torch's decompositions with
+# torch.jit.script, which torch 2.13 deprecates; vmap (and jacfwd, jacrev, which vmap)
+# runs the op through torch's loop over the batch and warns that it has no batching rule.
+def FORWARD_WARNINGS(test):  # a mark, named as the others
+    test = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")(
+        test
+    )
+    return pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")(test)
+
+
+FORWARD_OPTIONS = [
+    {"position_offset": 2},
+    {"position_offset": "offsets", "layout": "bshd", "interleaved": True},
+    {"position_ids": "ids", "rotary_embedding_dim": 4, "inverse": True},
+    {"num_heads": 2, "position_offset": 1},  # 3-D: [batch, seq, heads * head]
+]
+FORWARD_IDS = ["offset", "offsets-bshd-interleaved", "ids-partial-inverse", "3d"]
+
+
+def _float64_case(rng, options):
+    """float64 input, caches and the call's options (tensors), as test_gradcheck_float64."""
+    options = dict(options)
+    three_d = "num_heads" in options
+    x, cos, sin = case(rng, np.float64, shape=(2, 5, 2, 8) if three_d else (2, 3, 5, 8))
+    x = x.reshape(2, 5, 16) if three_d else x
+    if options.get("position_offset") == "offsets":
+        options["position_offset"] = np.array([0, 4])
+    if options.get("position_ids") == "ids":
+        options["position_ids"] = rng.integers(0, 12, (2, 5))
+    if options.get("rotary_embedding_dim") == 4:
+        cos, sin = np.ascontiguousarray(cos[:, :2]), np.ascontiguousarray(sin[:, :2])
+    return x, cos, sin, options
+
+
+def _as_tensors(options):
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in options.items()}
+
+
+@FORWARD_WARNINGS
+@pytest.mark.parametrize("options", FORWARD_OPTIONS, ids=FORWARD_IDS)
+def test_forward_mode_gives_the_rotated_tangent(rng, options):
+    """The operator is linear in its input: the tangent of the output is the rotation of
+    the input's tangent, and the Jacobian the rotation of each unit vector. Oracle:
+    numba_rope.reference in float64 (for a unit vector each output element is a cache
+    value, its negation or zero: exact). Before, a tangent was dropped without a word
+    (a custom op has no forward-mode rule): jvp gave None, jacfwd zeros."""
+    x, cos, sin, options = _float64_case(rng, options)
+    direction = rng.standard_normal(x.shape)
+    expected = reference.rotary_embedding(direction, cos, sin, **options)
+    tc, ts, topts = tensor(cos), tensor(sin), _as_tensors(options)
+
+    def rope(t):
+        return numba_rope.torch.rotary_embedding(t, tc, ts, **topts)
+
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(torch.from_numpy(x), torch.from_numpy(direction))
+        primal, tangent = torch.autograd.forward_ad.unpack_dual(rope(dual))
+    np.testing.assert_array_equal(
+        primal.numpy(), reference.rotary_embedding(x, cos, sin, **options)
+    )
+    np.testing.assert_array_equal(tangent.numpy(), expected)
+    _, tangent = torch.func.jvp(rope, (torch.from_numpy(x),), (torch.from_numpy(direction),))
+    np.testing.assert_array_equal(tangent.numpy(), expected)
+
+    basis = np.eye(x.size).reshape(x.size, *x.shape)
+    jacobian = np.stack([reference.rotary_embedding(e, cos, sin, **options) for e in basis], -1)
+    jacobian = jacobian.reshape(*x.shape, *x.shape)
+    for transform in (torch.func.jacfwd, torch.func.jacrev):
+        np.testing.assert_array_equal(transform(rope)(torch.from_numpy(x)).numpy(), jacobian)
+    t = torch.from_numpy(x).requires_grad_()
+    assert torch.autograd.gradcheck(rope, (t,), check_forward_ad=True, check_batched_grad=False)
+
+
+@FORWARD_WARNINGS
+def test_qk_forward_mode_with_a_tangent_for_q_only(rng):
+    """q and k with grouped-query heads, q dual, k not: q's tangent is its rotation, k's
+    none (forward_ad) or zero (torch.func.jvp); oracle as above."""
+    q, cos, sin = case(rng, np.float64, shape=(2, 5, 4, 8))
+    k = rng.standard_normal((2, 5, 2, 8))
+    direction = rng.standard_normal(q.shape)
+    options = {"position_offset": 3, "layout": "bshd"}
+    expected = reference.rotary_embedding(direction, cos, sin, **options)
+    tc, ts = tensor(cos), tensor(sin)
+
+    def rope(q, k):
+        return numba_rope.torch.rotary_embedding_qk(q, k, tc, ts, **options)
+
+    forward_ad = torch.autograd.forward_ad
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(torch.from_numpy(q), torch.from_numpy(direction))
+        q_out, k_out = rope(dual, torch.from_numpy(k))
+        np.testing.assert_array_equal(forward_ad.unpack_dual(q_out).tangent.numpy(), expected)
+        k_tangent = forward_ad.unpack_dual(k_out).tangent
+        assert k_tangent is None or not bool(k_tangent.any())
+        np.testing.assert_array_equal(
+            forward_ad.unpack_dual(k_out).primal.numpy(),
+            reference.rotary_embedding(k, cos, sin, **options),
+        )
+    tangents = (torch.from_numpy(direction), torch.zeros(k.shape, dtype=torch.float64))
+    _, (q_tangent, k_tangent) = torch.func.jvp(
+        rope, (torch.from_numpy(q), torch.from_numpy(k)), tangents
+    )
+    np.testing.assert_array_equal(q_tangent.numpy(), expected)
+    assert not bool(k_tangent.any())
+
+
+@FORWARD_WARNINGS
+def test_hessian_vector_product_through_forward_over_reverse(rng):
+    """torch.func.jvp of torch.func.grad (the backward run under a forward-mode level):
+    for f(x) = sum(rope(x)**2) the Hessian is 2 R^T R = 2 I (R is orthogonal), so the
+    product with v is 2v, up to float64 rounding of cos**2 + sin**2 and the sums."""
+    x, cos, sin = case(rng, np.float64)
+    v = rng.standard_normal(x.shape)
+    tc, ts = tensor(cos), tensor(sin)
+
+    def loss(t):
+        return (numba_rope.torch.rotary_embedding(t, tc, ts, position_offset=1) ** 2).sum()
+
+    _, product = torch.func.jvp(
+        torch.func.grad(loss), (torch.from_numpy(x),), (torch.from_numpy(v),)
+    )
+    np.testing.assert_allclose(product.numpy(), 2 * v, rtol=0, atol=1e-13)
+
+
+@FORWARD_WARNINGS
+def test_vmap_equals_a_loop(rng):
+    x, cos, sin = case(rng, np.float32, shape=(3, 2, 4, 5, 8))
+    tc, ts = tensor(cos), tensor(sin)
+    got = torch.func.vmap(
+        lambda t: numba_rope.torch.rotary_embedding(t, tc, ts, position_offset=2)
+    )(torch.from_numpy(x))
+    for one, row in zip(got.numpy(), x, strict=True):
+        np.testing.assert_array_equal(
+            one, reference.rotary_embedding(row, cos, sin, position_offset=2, precision="contract")
+        )
+
+
+@FORWARD_WARNINGS
+def test_cache_tangents_are_refused(rng):
+    x, cos, sin = case(rng, np.float64)
+    forward_ad = torch.autograd.forward_ad
+    t, tc, ts = torch.from_numpy(x), tensor(cos), tensor(sin)
+    with forward_ad.dual_level(), pytest.raises(NotImplementedError, match="cos_cache"):
+        numba_rope.torch.rotary_embedding(
+            t, tc, forward_ad.make_dual(ts, torch.ones_like(ts)), position_offset=0
+        )
+    with pytest.raises(NotImplementedError, match="cos_cache"):
+        torch.func.jvp(
+            lambda c: numba_rope.torch.rotary_embedding(t, c, ts, position_offset=0),
+            (tc,),
+            (torch.ones_like(tc),),
+        )
+
+
+@FORWARD_WARNINGS
+@pytest.mark.parametrize("two", [False, True], ids=["one", "qk"])
+def test_array_functions_refuse_what_autograd_follows(rng, two):
+    """numba_rope.rotary_embedding records nothing for autograd: a tensor that carries a
+    forward-mode tangent (input, k or out=) or sits inside a torch.func transform is
+    refused, naming it and the way out, and nothing is written (before, the tangent
+    was dropped, or torch's "Cannot access data pointer" was raised)."""
+    x, cos, sin = case(rng, np.float32)
+    tc, ts = tensor(cos), tensor(sin)
+
+    def call(t, out=None):
+        if two:
+            return numba_rope.rotary_embedding_qk(
+                t, t.clone(), tc, ts, position_offset=1, out_q=out, out_k=None
+            )
+        return numba_rope.rotary_embedding(t, tc, ts, position_offset=1, out=out)
+
+    forward_ad = torch.autograd.forward_ad
+    t = torch.from_numpy(x.copy())
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(t, torch.ones_like(t))
+        with pytest.raises(TypeError, match=r"(input|q) carries a forward-mode tangent"):
+            call(dual, out=dual)  # in place
+        np.testing.assert_array_equal(t.numpy(), x)
+        target = torch.zeros_like(t)
+        dual_out = forward_ad.make_dual(target, torch.ones_like(t))
+        with pytest.raises(TypeError, match=r"(out|out_q) carries a forward-mode tangent"):
+            call(t, out=dual_out)
+        assert not bool(target.any())
+        call(t)  # tensors without a tangent go through while a level is open
+    for transform in (
+        torch.func.vmap,
+        lambda f: lambda a: torch.func.jvp(f, (a,), (torch.ones_like(a),)),
+        lambda f: torch.func.grad(lambda a: f(a).sum()),
+    ):
+        with pytest.raises(TypeError, match=r"torch\.func transform.*numba_rope\.torch"):
+            transform(lambda a: call(a) if not two else call(a)[0])(t)
+
+
+@FORWARD_WARNINGS
+def test_the_gpu_path_refuses_what_autograd_follows():
+    """The CUDA backend's first look at torch tensors refuses them as the CPU path does
+    (it read a tensor that requires grad through data_ptr() and dropped its gradient).
+    Seen here through a CPU tensor handed to it as a CUDA one: the checks come first."""
+    from numba_rope._cuda.backend import CudaBackend
+
+    with pytest.raises(TypeError, match="input requires grad"):
+        CudaBackend((torch.zeros(3, requires_grad=True),), ("input",), ("torch",))
+    forward_ad = torch.autograd.forward_ad
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(torch.zeros(3), torch.ones(3))
+        with pytest.raises(TypeError, match="cos_cache carries a forward-mode tangent"):
+            CudaBackend((torch.zeros(3), dual), ("input", "cos_cache"), ("torch", "torch"))
+    with pytest.raises(TypeError, match=r"torch\.func transform"):
+        torch.func.vmap(lambda a: CudaBackend((a,), ("input",), ("torch",)))(torch.zeros(2, 3))
+
+
 def test_numpy_caches_and_16_bit_results(rng):
     """numba_rope.torch takes NumPy caches (bfloat16 too) and keeps the contract."""
     x, cos, sin = case(rng, BFLOAT16)

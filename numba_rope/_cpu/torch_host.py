@@ -11,7 +11,8 @@ memory the kernel wrote (``torch.from_numpy``) for a torch input, a NumPy array 
 NumPy input.
 
 What a NumPy view cannot carry is refused or resolved here, before anything is
-written: a tensor that records autograd (use :mod:`numba_rope.torch`), an ``out``
+written: a tensor that records autograd, reverse or forward mode, or one inside a
+``torch.func`` transform (:mod:`numba_rope._autograd`; use :mod:`numba_rope.torch`), an ``out``
 with torch's negative or conjugate bit (an input with one is resolved, a copy), a
 layout other than strided, a dtype NumPy cannot hold. An ``out`` tensor written
 through its view has its autograd version counter bumped, as an in-place torch
@@ -26,6 +27,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+from numba_rope._autograd import check_unrecorded, forward_ad_active, tangent, transformed_error
 
 #: Output arguments, by name (written through their views).
 _OUTPUT_NAMES = ("out", "out_q", "out_k")
@@ -45,13 +48,10 @@ def host_view(tensor: Any, argument: str) -> np.ndarray:
             f"{argument} is a torch tensor of layout {tensor.layout}; rotary_embedding "
             f"takes strided (dense) tensors: convert it with .to_dense()"
         )
-    if tensor.requires_grad and torch.is_grad_enabled():
-        raise TypeError(
-            f"{argument} requires grad, and numba_rope.rotary_embedding records nothing "
-            f"for autograd; use numba_rope.torch.rotary_embedding (or rotary_embedding_qk), "
-            f"which is differentiable, or pass {argument}.detach() (or call under "
-            f"torch.no_grad()) where no gradient is wanted"
-        )
+    transformed = transformed_error(tensor, argument)
+    if transformed is not None:
+        raise transformed
+    check_unrecorded(tensor, argument, forward_ad_active())
     if tensor.is_neg() or tensor.is_conj():
         bit = "negative" if tensor.is_neg() else "conjugate"
         if output:
@@ -79,9 +79,9 @@ def host_view(tensor: Any, argument: str) -> np.ndarray:
 def plain_views(arrays: tuple) -> list | None:
     """NumPy views of ``arrays`` (tensors, NumPy arrays, None) when each tensor among
     them is a plain one: a ``torch.Tensor`` itself (no subclass) on the CPU, strided,
-    recording no autograd, without torch's negative or conjugate bit, of a dtype NumPy
-    holds (bfloat16 as ``ml_dtypes.bfloat16``); NumPy arrays and None as they are, one
-    view per tensor object (``out=x`` stays in place). None otherwise: the general
+    recording no autograd (no forward-mode tangent either), without torch's negative or
+    conjugate bit, of a dtype NumPy holds (bfloat16 as ``ml_dtypes.bfloat16``); NumPy
+    arrays and None as they are, one view per tensor object (``out=x`` stays in place). None otherwise: the general
     path (:func:`host_view`) then views, resolves or refuses what is there, naming
     the argument.
 
@@ -92,6 +92,7 @@ def plain_views(arrays: tuple) -> list | None:
     import torch
 
     tensor_type, strided, bfloat16 = torch.Tensor, torch.strided, torch.bfloat16
+    forward_mode = forward_ad_active()
     views: list = []
     seen: dict[int, np.ndarray] = {}
     for array in arrays:
@@ -107,15 +108,13 @@ def plain_views(arrays: tuple) -> list | None:
                 or array.requires_grad
                 or array.is_neg()
                 or array.is_conj()
+                or (forward_mode and tangent(array) is not None)
             ):
                 return None
-            if array.dtype is bfloat16:
-                view = bfloat16_view(array)
-            else:
-                try:
-                    view = array.numpy()
-                except TypeError:  # no NumPy dtype: host_view names it
-                    return None
+            try:
+                view = bfloat16_view(array) if array.dtype is bfloat16 else array.numpy()
+            except (TypeError, RuntimeError):  # no NumPy dtype; a torch.func wrapper
+                return None  # (host_view names them)
             seen[id(array)] = view
         views.append(view)
     return views
