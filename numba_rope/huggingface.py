@@ -165,13 +165,13 @@ def apply_rotary_pos_emb(
                 rotary_embedding_dim=rotary_dim,
                 layout=layout,
             )
-        numba_rope.torch._check_caches(cos, sin)  # (gradients for q and k only)
+        numba_rope.torch.check_caches(cos, sin)  # (gradients for q and k only)
         if ids is not None and not _is_torch(ids):
             ids = torch.as_tensor(ids, device=q.device)
         # The op checks the halves, halves the caches and broadcasts a one-row table over
         # the batch where the data are real (under torch.compile too); it is
-        # differentiable with respect to q and k (_two records either mode).
-        return numba_rope.torch._two(
+        # differentiable with respect to q and k (recorded_qk_op records either mode).
+        return numba_rope.torch.recorded_qk_op(
             q, k, cos, sin, ids, None, None, False, rotary_dim, layout, None, None, False, True
         )
     return rotary_embedding_qk(

@@ -12,9 +12,9 @@ fullgraph=True)`` traces a model that uses them, on the CPU and the GPU.
 Forward mode too: under ``torch.autograd.forward_ad`` and ``torch.func.jvp`` (or
 ``jacfwd``) the output's tangent is the input's tangent rotated by the same angles (the
 operator is linear in its input). ``torch.func.grad``, ``vjp``, ``jacrev`` and ``vmap``
-go through these functions as well (``vmap`` by torch's loop over the batch: the ops
-have no batching rule yet, and torch warns so). The ops called directly through
-``torch.ops`` record reverse mode only, as any torch custom op.
+go through these functions as well; under ``vmap`` the mapped axis is folded into the
+operator's batch axis (one call). The ops called directly through ``torch.ops`` record
+reverse mode only, as any torch custom op.
 
 The cos/sin caches are constants (built by :func:`numba_rope.rope_cache` or a rotary
 module under ``no_grad``); gradients with respect to them are not computed: caches
@@ -182,7 +182,7 @@ def _rotary_backward(ctx: Any, grad: Tensor) -> tuple:
     _refuse_cache_gradient(ctx.needs_input_grad, _CACHES_ONE)
     cos, sin, ids, offsets = ctx.saved_tensors
     interleaved, rotary_dim, layout, num_heads, inverse, full_width = ctx.options
-    grad_input = _one(
+    grad_input = recorded_op(
         grad,
         cos,
         sin,
@@ -204,7 +204,7 @@ def _rotary_qk_backward(ctx: Any, grad_q: Tensor, grad_k: Tensor) -> tuple:
     _refuse_cache_gradient(ctx.needs_input_grad, _CACHES_TWO)
     cos, sin, ids, offsets = ctx.saved_tensors
     interleaved, rotary_dim, layout, num_heads, num_kv_heads, inverse, full_width = ctx.options
-    grads = _two(
+    grads = recorded_qk_op(
         grad_q,
         grad_k,
         cos,
@@ -227,20 +227,115 @@ _rotary_op.register_autograd(_rotary_backward, setup_context=_setup)
 _rotary_qk_op.register_autograd(_rotary_qk_backward, setup_context=_setup)
 
 
+# -- vmap: the batch of the transform folded into the operator's batch axis ----------------
+# torch.func.vmap (and jacfwd, jacrev, per-sample gradients) maps the ops over one more
+# axis. Every tensor argument has the operator's batch first (input, q, k; position
+# ids [batch, seq_len]; offsets [batch]; per-token caches [batch, seq_len, half]), so
+# the transform's axis is moved in front and folded into it: one call of the op over
+# ``B * batch`` sequences (unmapped arguments are tiled over B; a 2-D position table is
+# shared as it is). A table mapped itself (a different cos/sin table for each of the B)
+# cannot be folded: the op then runs once per table.
+
+
+def _front(x: Tensor | None, dim: int | None, size: int) -> Tensor | None:
+    """``x`` with the mapped axis first, ``[size, ...]`` (an unmapped ``x`` expanded)."""
+    if x is None:
+        return None
+    return x.expand(size, *x.shape) if dim is None else x.movedim(dim, 0)
+
+
+def _fold(x: Tensor | None, dim: int | None, size: int, rows: int | None = None) -> Any:
+    """A batch-first tensor with the mapped axis folded into its batch axis: row ``i *
+    batch + j`` is sample ``i``'s row ``j``. ``rows``: the batch an unmapped one-row
+    tensor is broadcast to first (Hugging Face's one table for the batch, which the qk
+    op broadcasts itself)."""
+    if x is None:
+        return None
+    if dim is None and rows is not None and x.shape[0] == 1 and rows != 1:
+        x = x.expand(rows, *x.shape[1:])
+    if dim is None:
+        return x.repeat(size, *(1,) * (x.dim() - 1))
+    x = x.movedim(dim, 0)
+    return x.reshape(size * x.shape[1], *x.shape[2:])
+
+
+def _unfold(y: Tensor, size: int) -> Tensor:
+    return y.reshape(size, y.shape[0] // size, *y.shape[1:])
+
+
+def _per_sample(op: Any, info: Any, in_dims: tuple, args: tuple) -> Any:
+    """The op once per sample (a cos/sin table mapped itself), results stacked."""
+    results = [
+        op(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims, strict=True)))
+        for i in range(info.batch_size)
+    ]
+    if isinstance(results[0], tuple):
+        return tuple(torch.stack(r) for r in zip(*results, strict=True)), (0, 0)
+    return torch.stack(results), 0
+
+
+@torch.library.register_vmap("numba_rope::rotary_embedding")
+def _rotary_vmap(info: Any, in_dims: tuple, *args: Any) -> Any:
+    input, cos, sin, ids, offset, offsets, *options = args
+    size = info.batch_size
+    if in_dims[1] is not None or in_dims[2] is not None:
+        return _per_sample(_rotary_op, info, in_dims, args)
+    x = _front(input, in_dims[0], size)
+    assert x is not None  # (the input is a tensor)
+    batch = x.shape[1]
+    if cos.dim() == 3:  # a row per token of each sequence
+        cos, sin = _fold(cos, None, size), _fold(sin, None, size)
+    y = _rotary_op(
+        x.reshape(size * batch, *x.shape[2:]),
+        cos,
+        sin,
+        _fold(ids, in_dims[3], size),
+        offset,
+        _fold(offsets, in_dims[5], size),
+        *options,
+    )
+    return _unfold(y, size), 0
+
+
+@torch.library.register_vmap("numba_rope::rotary_embedding_qk")
+def _rotary_qk_vmap(info: Any, in_dims: tuple, *args: Any) -> Any:
+    q, k, cos, sin, ids, offset, offsets, *options = args
+    size = info.batch_size
+    if in_dims[2] is not None or in_dims[3] is not None:
+        return _per_sample(_rotary_qk_op, info, in_dims, args)
+    q, k = _front(q, in_dims[0], size), _front(k, in_dims[1], size)
+    assert q is not None and k is not None
+    if cos.dim() == 3:  # (full_width: the op's one table for the batch, broadcast first)
+        rows = q.shape[1] if options[-1] else None
+        cos, sin = _fold(cos, None, size, rows), _fold(sin, None, size, rows)
+    batch = q.shape[1]
+    y_q, y_k = _rotary_qk_op(
+        q.reshape(size * batch, *q.shape[2:]),
+        k.reshape(size * k.shape[1], *k.shape[2:]),
+        cos,
+        sin,
+        _fold(ids, in_dims[4], size),
+        offset,
+        _fold(offsets, in_dims[6], size),
+        *options,
+    )
+    return (_unfold(y_q, size), _unfold(y_k, size)), (0, 0)
+
+
 # -- the ops as the public functions call them ---------------------------------------------
 # The ops above record reverse mode only: a torch custom op has no forward-mode rule, and
 # one called on a tensor that carries a forward-mode tangent returns a result without one
 # (torch 2.13), and torch.func's reverse transforms refuse the autograd function torch
 # generates for an op. So the public functions (and numba_rope.huggingface) call
-# :func:`_one` / :func:`_two`, which take the op itself where nothing is recorded and
-# under torch.compile (Dynamo traces the op with its registered autograd; an
-# autograd.Function would be traced through, which in torch 2.13 warns, and one that
-# defines ``jvp`` is refused), an autograd.Function of it where reverse mode records in
-# eager mode (torch.func.grad, vjp, jacrev included), and one with a forward-mode rule
+# :func:`recorded_op` / :func:`recorded_qk_op`. These take the op itself where nothing is
+# recorded and under torch.compile (Dynamo traces the op with its registered autograd;
+# an autograd.Function would be traced through, which in torch 2.13 warns, and one that
+# defines ``jvp`` is refused); an autograd.Function of it where reverse mode records in
+# eager mode (torch.func.grad, vjp, jacrev included); and one with a forward-mode rule
 # (``jvp``) where a forward-mode level is open (torch.autograd.forward_ad,
-# torch.func.jvp, jacfwd). The derivative of a rotation with respect to the input is
-# the rotation itself (the operator is linear in it): the tangent is the op applied to
-# the input's tangent.
+# torch.func.jvp, jacfwd). The derivative of a rotation with respect to the input is the
+# rotation itself (the operator is linear in it): the tangent is the op applied to the
+# input's tangent.
 
 
 def _save_for_forward(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -253,7 +348,7 @@ def _save_for_forward(ctx: Any, inputs: tuple, output: Any) -> None:
 class _Rotary(torch.autograd.Function):
     """:func:`_rotary_op` recording reverse mode."""
 
-    generate_vmap_rule = True  # vmap runs the op itself (torch's loop over the batch)
+    generate_vmap_rule = True  # vmap maps forward, backward and jvp: the ops' rules
 
     @staticmethod
     def forward(*inputs: Any) -> Any:
@@ -274,11 +369,11 @@ class _RotaryDual(_Rotary):
     @staticmethod
     def jvp(ctx: Any, tangent: Tensor | None, *others: Any) -> Tensor | None:  # type: ignore[override]
         # The caches' tangents are None or the zeros torch.func makes for inputs that
-        # carry none: caches with one are refused before the call (_check_caches).
+        # carry none: caches with one are refused before the call (check_caches).
         if tangent is None:
             return None
         cos, sin, ids, offsets = ctx.saved_tensors
-        return _one(tangent, cos, sin, ids, ctx.offset, offsets, *ctx.options)
+        return recorded_op(tangent, cos, sin, ids, ctx.offset, offsets, *ctx.options)
 
 
 class _RotaryQK(torch.autograd.Function):
@@ -313,7 +408,9 @@ class _RotaryQKDual(_RotaryQK):
             )
         )
         cos, sin, ids, offsets = ctx.saved_tensors
-        return _two(tangent_q, tangent_k, cos, sin, ids, ctx.offset, offsets, *ctx.options)
+        return recorded_qk_op(
+            tangent_q, tangent_k, cos, sin, ids, ctx.offset, offsets, *ctx.options
+        )
 
 
 def _records(*inputs: Tensor) -> int:
@@ -327,7 +424,7 @@ def _records(*inputs: Tensor) -> int:
     return int(torch.is_grad_enabled() and any(x.requires_grad for x in inputs))
 
 
-def _one(*inputs: Any) -> Tensor:
+def recorded_op(*inputs: Any) -> Tensor:
     """:func:`_rotary_op` (its arguments), recording what autograd needs (above)."""
     mode = _records(inputs[0])
     if mode == 0:
@@ -335,7 +432,7 @@ def _one(*inputs: Any) -> Tensor:
     return (_RotaryDual if mode == 2 else _Rotary).apply(*inputs)
 
 
-def _two(*inputs: Any) -> tuple[Tensor, Tensor]:
+def recorded_qk_op(*inputs: Any) -> tuple[Tensor, Tensor]:
     """:func:`_rotary_qk_op` (its arguments), recording what autograd needs (above)."""
     mode = _records(inputs[0], inputs[1])
     if mode == 0:
@@ -396,7 +493,7 @@ def _offsets(position_offset: Any, like: Tensor) -> tuple[int | None, Tensor | N
     return int(position_offset), None
 
 
-def _check_caches(cos: Tensor, sin: Tensor) -> None:
+def check_caches(cos: Tensor, sin: Tensor) -> None:
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         raise NotImplementedError(_CACHE_GRADIENT)
     if forward_ad_active() and (tangent(cos) is not None or tangent(sin) is not None):
@@ -445,9 +542,9 @@ def rotary_embedding(
     """
     _check_inputs(("input", input))
     cos, sin = _tensor(cos_cache, input), _tensor(sin_cache, input)
-    _check_caches(cos, sin)
+    check_caches(cos, sin)
     offset, offsets = _offsets(position_offset, input)
-    return _one(
+    return recorded_op(
         input,
         cos,
         sin,
@@ -498,9 +595,9 @@ def rotary_embedding_qk(
     """
     _check_inputs(("q", q), ("k", k))
     cos, sin = _tensor(cos_cache, q), _tensor(sin_cache, q)
-    _check_caches(cos, sin)
+    check_caches(cos, sin)
     offset, offsets = _offsets(position_offset, q)
-    return _two(
+    return recorded_qk_op(
         q,
         k,
         cos,

@@ -525,14 +525,12 @@ def test_cache_gradients_are_refused(rng):
 
 
 # -- forward mode and torch.func --------------------------------------------------------
-# torch's own warnings: forward mode's first use compiles torch's decompositions with
-# torch.jit.script, which torch 2.13 deprecates; vmap (and jacfwd, jacrev, which vmap)
-# runs the op through torch's loop over the batch and warns that it has no batching rule.
-def FORWARD_WARNINGS(test):  # a mark, named as the others
-    test = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")(
-        test
-    )
-    return pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")(test)
+# torch's own warning: forward mode's first use compiles torch's decompositions with
+# torch.jit.script, which torch 2.13 deprecates. (vmap's "performance drop" warning, for
+# an op without a batching rule, stays an error here: the ops have one.)
+FORWARD_WARNINGS = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script` is deprecated:DeprecationWarning"
+)
 
 
 FORWARD_OPTIONS = [
@@ -649,17 +647,123 @@ def test_hessian_vector_product_through_forward_over_reverse(rng):
     np.testing.assert_allclose(product.numpy(), 2 * v, rtol=0, atol=1e-13)
 
 
+VMAP_CASES = {
+    # name: (options, the arguments mapped: a different one per sample; the rest shared)
+    "offset": ({"position_offset": 2}, {"input"}),
+    "offsets-mapped-bshd": ({"position_offset": "array", "layout": "bshd"}, {"input", "position_offset"}),
+    "offsets-shared-interleaved": ({"position_offset": "array", "interleaved": True}, {"input"}),
+    "ids-mapped-partial": ({"position_ids": "array", "rotary_embedding_dim": 4}, {"input", "position_ids"}),
+    "ids-mapped-input-shared": ({"position_ids": "array"}, {"position_ids"}),
+    "per-token-caches-inverse": ({"caches": "per-token", "inverse": True}, {"input"}),
+    "caches-mapped": ({"position_offset": 1}, {"input", "cos_cache", "sin_cache"}),
+    "3d": ({"num_heads": 2, "position_offset": 1}, {"input"}),
+}  # fmt: skip
+
+
 @FORWARD_WARNINGS
-def test_vmap_equals_a_loop(rng):
-    x, cos, sin = case(rng, np.float32, shape=(3, 2, 4, 5, 8))
-    tc, ts = tensor(cos), tensor(sin)
-    got = torch.func.vmap(
-        lambda t: numba_rope.torch.rotary_embedding(t, tc, ts, position_offset=2)
-    )(torch.from_numpy(x))
-    for one, row in zip(got.numpy(), x, strict=True):
-        np.testing.assert_array_equal(
-            one, reference.rotary_embedding(row, cos, sin, position_offset=2, precision="contract")
+@pytest.mark.parametrize("axis", [0, 2])
+@pytest.mark.parametrize("name", VMAP_CASES)
+def test_vmap_folds_the_mapped_axis_into_the_batch(rng, monkeypatch, name, axis):
+    """torch.func.vmap over numba_rope.torch.rotary_embedding, the mapped axis first or
+    inside, each argument mapped or shared: each sample equals numba_rope.reference on
+    it (float32, precision="contract": bit for bit on every CPU). The ops' batching rule
+    folds the mapped axis into the operator's batch axis (one call); mapped cos/sin
+    tables run the op once per sample."""
+    rotate = numba_rope.torch._rotate_one
+    options, mapped = VMAP_CASES[name]
+    options, n = dict(options), 3
+    shape = (2, 5, 16) if "num_heads" in options else (2, 3, 5, 8)
+    half = 2 if options.get("rotary_embedding_dim") == 4 else 4
+    per_token = options.pop("caches", None) == "per-token"
+    angles = rng.uniform(-4, 4, (n, 2, 5, half) if per_token else (n, 12, half))
+    samples = {
+        "input": rng.standard_normal((n, *shape)).astype(np.float32),
+        "cos_cache": np.cos(angles).astype(np.float32),
+        "sin_cache": np.sin(angles).astype(np.float32),
+    }
+    for key, values in (
+        ("position_offset", rng.integers(0, 6, (n, 2))),
+        ("position_ids", rng.integers(0, 12, (n, 2, 5))),
+    ):
+        if options.get(key) == "array":
+            samples[key] = values
+            del options[key]
+    names = sorted(mapped)
+    shared = {k: torch.from_numpy(v[0]) for k, v in samples.items() if k not in mapped}
+    in_dims = tuple(min(axis, samples[k].ndim - 1) for k in names)
+    stacked = [
+        torch.from_numpy(samples[k]).movedim(0, d) for k, d in zip(names, in_dims, strict=True)
+    ]
+
+    def rope(*values):
+        arguments = {**shared, **dict(zip(names, values, strict=True))}
+        x, cos, sin = (arguments.pop(k) for k in ("input", "cos_cache", "sin_cache"))
+        return numba_rope.torch.rotary_embedding(x, cos, sin, **arguments, **options)
+
+    calls = []
+    monkeypatch.setattr(
+        numba_rope.torch, "_rotate_one", lambda *a, **k: calls.append(1) or rotate(*a, **k)
+    )
+    got = torch.func.vmap(rope, in_dims=in_dims)(*stacked)
+    assert len(calls) == (n if "cos_cache" in mapped else 1)
+    for i in range(n):
+        arguments = {k: v[i if k in mapped else 0] for k, v in samples.items()}
+        x, cos, sin = (arguments.pop(k) for k in ("input", "cos_cache", "sin_cache"))
+        expected = reference.rotary_embedding(
+            x, cos, sin, **arguments, **options, precision="contract"
         )
+        np.testing.assert_array_equal(got[i].numpy(), expected)
+
+
+@FORWARD_WARNINGS
+@pytest.mark.parametrize("mapped", ["q", "k", "both"])
+def test_vmap_of_q_and_k_and_per_sample_gradients(rng, mapped):
+    """q and k with grouped-query heads, one or both mapped, per-token full-width caches
+    (Hugging Face's one table for the batch, through numba_rope.huggingface): each sample
+    equals the reference; and per-sample gradients (vmap of grad) equal the inverse
+    rotation of each sample's weights (the reference with inverse=True)."""
+    from numba_rope.huggingface import apply_rotary_pos_emb
+
+    n = 3
+    q = rng.standard_normal((n, 2, 4, 5, 8)).astype(np.float32)
+    k = rng.standard_normal((n, 2, 2, 5, 8)).astype(np.float32)
+    angles = rng.uniform(-4, 4, (1, 5, 4))
+    full = np.concatenate([angles, angles], -1)
+    cos, sin = np.cos(full).astype(np.float32), np.sin(full).astype(np.float32)
+    tc, ts = torch.from_numpy(cos), torch.from_numpy(sin)
+    q_in = torch.from_numpy(q) if mapped != "k" else torch.from_numpy(q[0])
+    k_in = torch.from_numpy(k) if mapped != "q" else torch.from_numpy(k[0])
+    in_dims = (None if mapped == "k" else 0, None if mapped == "q" else 0)
+    got_q, got_k = torch.func.vmap(
+        lambda a, b: apply_rotary_pos_emb(a, b, tc, ts), in_dims=in_dims
+    )(q_in, k_in)
+    half = np.broadcast_to(cos[..., :4], (2, 5, 4)), np.broadcast_to(sin[..., :4], (2, 5, 4))
+    for i in range(n):
+        for got, x in (
+            (got_q[i], q[0 if mapped == "k" else i]),
+            (got_k[i], k[0 if mapped == "q" else i]),
+        ):
+            expected = reference.rotary_embedding(x, *half, precision="contract")
+            np.testing.assert_array_equal(got.numpy(), expected)
+
+    weights = rng.standard_normal(q.shape).astype(np.float32)
+    tw = torch.from_numpy(weights)
+    table_cos, table_sin = (
+        tensor(np.ascontiguousarray(cos[0, :, :4])),
+        tensor(np.ascontiguousarray(sin[0, :, :4])),
+    )
+
+    def loss(x, w):
+        y = numba_rope.torch.rotary_embedding(x, table_cos, table_sin, position_offset=0)
+        return (y * w).sum()
+
+    grads = torch.func.vmap(torch.func.grad(loss))(torch.from_numpy(q), tw)
+    for i in range(n):
+        expected = reference.rotary_embedding(
+            weights[i], cos[0, :, :4], sin[0, :, :4], position_offset=0, inverse=True,
+            precision="contract",
+        )  # fmt: skip
+        np.testing.assert_array_equal(grads[i].numpy(), expected)
 
 
 @FORWARD_WARNINGS
