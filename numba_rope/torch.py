@@ -414,14 +414,16 @@ class _RotaryQKDual(_RotaryQK):
 
 
 def _records(*inputs: Tensor) -> int:
-    """0: the op itself (nothing to record, or Dynamo tracing: the op and its registered
-    autograd go into the graph, as torch.compile expects of a custom op); 1: reverse
-    mode; 2: forward mode too (a level is open)."""
-    if torch.compiler.is_compiling():
-        return 0
+    """0: the op itself (nothing to record, or tracing by Dynamo or torch.jit.trace: the
+    op and its registered autograd go into the graph, as a tracer expects of a custom
+    op); 1: reverse mode; 2: forward mode too (a level is open)."""
     if forward_ad_active():
-        return 2
-    return int(torch.is_grad_enabled() and any(x.requires_grad for x in inputs))
+        mode = 2
+    elif torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+        mode = 1
+    else:
+        return 0
+    return 0 if torch.compiler.is_compiling() or torch.jit.is_tracing() else mode
 
 
 def recorded_op(*inputs: Any) -> Tensor:

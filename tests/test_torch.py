@@ -822,6 +822,29 @@ def test_array_functions_refuse_what_autograd_follows(rng, two):
             transform(lambda a: call(a) if not two else call(a)[0])(t)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
+def test_torch_jit_trace_records_the_op(rng):
+    """torch.jit.trace of a call whose input requires grad records the custom op (as
+    before the autograd.Function paths; tracing through one fails torch's check that
+    two traces agree), and the traced function's result and gradient are the
+    reference's (float32 contract bits; the gradient is the inverse rotation)."""
+    x, cos, sin = case(rng, np.float32)
+    tc, ts = tensor(cos), tensor(sin)
+    t = torch.from_numpy(x).requires_grad_()
+    traced = torch.jit.trace(
+        lambda a: numba_rope.torch.rotary_embedding(a, tc, ts, position_offset=3), (t,)
+    )
+    assert "numba_rope::rotary_embedding" in str(traced.graph)
+    y = traced(t)
+    y.backward(torch.ones_like(y))
+    options = {"position_offset": 3, "precision": "contract"}
+    np.testing.assert_array_equal(host(y), reference.rotary_embedding(x, cos, sin, **options))
+    np.testing.assert_array_equal(
+        t.grad.numpy(),
+        reference.rotary_embedding(np.ones_like(x), cos, sin, inverse=True, **options),
+    )
+
+
 @FORWARD_WARNINGS
 def test_the_gpu_path_refuses_what_autograd_follows():
     """The CUDA backend's first look at torch tensors refuses them as the CPU path does
