@@ -10,8 +10,7 @@ follows is therefore refused there, with the way out (:func:`check_unrecorded`):
 * one inside a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``, ...), whose
   memory is not the values it stands for (:func:`transformed_error`).
 
-:mod:`numba_rope.torch` records both modes (:func:`forward_ad_active` decides which).
-torch is imported by these functions only, which run for a caller who passed a
+:mod:`numba_rope.torch` records both modes. torch is imported by these functions only, which run for a caller who passed a
 tensor: it is already imported then.
 """
 
@@ -19,26 +18,23 @@ from __future__ import annotations
 
 from typing import Any
 
-_forward_ad: Any = None
-
 
 def forward_ad_active() -> bool:
     """Whether a forward-mode AD level is open (``forward_ad.dual_level()``, which
     ``torch.func.jvp`` and ``jacfwd`` open too): only then can a tensor carry a
-    tangent. A module attribute read, for every call with tensors; if a later torch
+    tangent. A module attribute read, for every call with tensors (nothing is kept in
+    a global here: Dynamo, tracing a caller, would guard on it); if a later torch
     drops the attribute, every call looks for tangents (slower, never wrong)."""
-    global _forward_ad
-    if _forward_ad is None:
-        import torch.autograd.forward_ad
+    import torch
 
-        _forward_ad = torch.autograd.forward_ad
-    return getattr(_forward_ad, "_current_level", 0) >= 0
+    return getattr(torch.autograd.forward_ad, "_current_level", 0) >= 0
 
 
 def tangent(tensor: Any) -> Any:
     """The forward-mode tangent ``tensor`` carries at the open level, or None."""
-    forward_ad_active()  # (imports the module)
-    return _forward_ad.unpack_dual(tensor).tangent
+    import torch
+
+    return torch.autograd.forward_ad.unpack_dual(tensor).tangent
 
 
 def check_unrecorded(tensor: Any, argument: str, forward_mode: bool) -> None:
@@ -62,13 +58,35 @@ def check_unrecorded(tensor: Any, argument: str, forward_mode: bool) -> None:
     )
 
 
-def transformed_error(tensor: Any, argument: str) -> TypeError | None:
-    """The ``TypeError`` for a tensor inside a ``torch.func`` transform (a wrapper
-    whose memory cannot be read), or None for any other tensor."""
+def transformed(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``torch.func`` transform's wrapper (``vmap``, ``grad``,
+    ``jvp``, ...): its memory is not the values it stands for."""
     import torch
 
     wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    if wrapped is None or not wrapped(tensor):
+    return wrapped is not None and bool(wrapped(tensor))
+
+
+def numpy_view(tensor: Any) -> Any:
+    """``tensor.numpy()``; a tensor that a ``torch.func`` transform running now does
+    not transform (a constant to it, read as a wrapper without storage) is read below
+    the transforms."""
+    try:
+        return tensor.numpy()
+    except RuntimeError:
+        import torch
+
+        below = getattr(torch._C, "_DisableFuncTorch", None)
+        if below is None or transformed(tensor):
+            raise
+        with below():
+            return tensor.numpy()
+
+
+def transformed_error(tensor: Any, argument: str) -> TypeError | None:
+    """The ``TypeError`` for a tensor inside a ``torch.func`` transform (a wrapper
+    whose memory cannot be read), or None for any other tensor."""
+    if not transformed(tensor):
         return None
     return TypeError(
         f"{argument} is a tensor inside a torch.func transform (vmap, grad, jvp, ...), "

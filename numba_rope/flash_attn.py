@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from numba_rope._autograd import forward_ad_active, tangent
+from numba_rope._autograd import forward_ad_active, tangent, transformed
 from numba_rope._interop import add_leading_axis, like, to_host
 from numba_rope.rotary import rotary_embedding, rotary_embedding_qk
 
@@ -201,21 +201,23 @@ def _operator_checks(x: Any, seqlen_offsets: Any) -> bool:
 
 
 def _records_autograd(x: Any) -> bool:
-    """Whether autograd follows ``x``: a torch tensor that requires grad under grad
-    mode, or one that carries a forward-mode tangent."""
+    """Whether ``x`` needs :mod:`numba_rope.torch`: a torch tensor that requires grad
+    under grad mode, carries a forward-mode tangent, or is a ``torch.func``
+    transform's wrapper."""
     if not hasattr(x, "requires_grad"):
         return False
     import torch
 
     if x.requires_grad and torch.is_grad_enabled():
         return True
-    return forward_ad_active() and tangent(x) is not None
+    return (forward_ad_active() and tangent(x) is not None) or transformed(x)
 
 
 def _rotate(x: Any, cos: Any, sin: Any, position_ids: Any, out: Any, **options: Any) -> Any:
     """The operator, checks of positions already made: through :mod:`numba_rope.torch`
     (differentiable with respect to ``x``, as flash-attn's function is) for a torch
-    tensor that records autograd (reverse mode, or a forward-mode tangent), through
+    tensor that records autograd (reverse mode, a forward-mode tangent, a torch.func
+    transform), through
     :func:`numba_rope.rotary_embedding` otherwise. In place on a tensor that records
     autograd is refused there, with the way out."""
     if out is None and type(x) is not np.ndarray and _records_autograd(x):

@@ -44,7 +44,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from numba_rope._autograd import forward_ad_active, tangent
 from numba_rope._halves import first_half
 from numba_rope.rotary import rotary_embedding as _rotate_one
 from numba_rope.rotary import rotary_embedding_qk as _rotate_two
@@ -178,8 +177,18 @@ def _setup(ctx: Any, inputs: tuple, output: Any) -> None:
     ctx.save_for_backward(*tensors)
 
 
-def _rotary_backward(ctx: Any, grad: Tensor) -> tuple:
+def _zeros_for_none(ctx: Any, *tensors: Tensor | None) -> tuple[Tensor, ...]:
+    """q's and k's tangents or gradients, zeros of their forms where None."""
+    return tuple(
+        torch.zeros(shape, dtype=dtype, device=device) if x is None else x
+        for x, (shape, dtype, device) in zip(tensors, ctx.forms, strict=True)
+    )
+
+
+def _rotary_backward(ctx: Any, grad: Tensor | None) -> tuple:
     _refuse_cache_gradient(ctx.needs_input_grad, _CACHES_ONE)
+    if grad is None:  # (the forward-mode function does not materialize zeros)
+        return (None,) * 12
     cos, sin, ids, offsets = ctx.saved_tensors
     interleaved, rotary_dim, layout, num_heads, inverse, full_width = ctx.options
     grad_input = recorded_op(
@@ -199,9 +208,14 @@ def _rotary_backward(ctx: Any, grad: Tensor) -> tuple:
     return (grad_input, *(None,) * 11)
 
 
-def _rotary_qk_backward(ctx: Any, grad_q: Tensor, grad_k: Tensor) -> tuple:
-    # torch materializes the gradient of an unused output as zeros: both are tensors.
+def _rotary_qk_backward(ctx: Any, grad_q: Tensor | None, grad_k: Tensor | None) -> tuple:
+    # The op's autograd materializes the gradient of an unused output as zeros; the
+    # forward-mode function does not (None), and its forms make the zeros.
     _refuse_cache_gradient(ctx.needs_input_grad, _CACHES_TWO)
+    if grad_q is None and grad_k is None:
+        return (None,) * 14
+    if grad_q is None or grad_k is None:
+        grad_q, grad_k = _zeros_for_none(ctx, grad_q, grad_k)
     cos, sin, ids, offsets = ctx.saved_tensors
     interleaved, rotary_dim, layout, num_heads, num_kv_heads, inverse, full_width = ctx.options
     grads = recorded_qk_op(
@@ -244,18 +258,22 @@ def _front(x: Tensor | None, dim: int | None, size: int) -> Tensor | None:
     return x.expand(size, *x.shape) if dim is None else x.movedim(dim, 0)
 
 
-def _fold(x: Tensor | None, dim: int | None, size: int, rows: int | None = None) -> Any:
-    """A batch-first tensor with the mapped axis folded into its batch axis: row ``i *
-    batch + j`` is sample ``i``'s row ``j``. ``rows``: the batch an unmapped one-row
-    tensor is broadcast to first (Hugging Face's one table for the batch, which the qk
-    op broadcasts itself)."""
-    if x is None:
-        return None
-    if dim is None and rows is not None and x.shape[0] == 1 and rows != 1:
-        x = x.expand(rows, *x.shape[1:])
+def _fold(x: Tensor | None, dim: int | None, size: int, batch: int, one_row: bool = False) -> Any:
+    """A batch-first argument with the mapped axis folded into its batch axis: row ``i *
+    batch + j`` is sample ``i``'s row ``j``. An unmapped one is tiled over the ``size``
+    samples, a 0-d offset (one for every sequence) kept as it is, a mapped 0-d offset
+    (one per sample) repeated over its sample's sequences. ``one_row``: an unmapped
+    one-row table is broadcast over the batch first (Hugging Face's one table for the
+    batch, which the qk op broadcasts itself)."""
+    if x is None or (dim is None and x.dim() == 0):
+        return x
     if dim is None:
+        if one_row and x.shape[0] == 1 and batch != 1:
+            x = x.expand(batch, *x.shape[1:])
         return x.repeat(size, *(1,) * (x.dim() - 1))
     x = x.movedim(dim, 0)
+    if x.dim() == 1:
+        return x.repeat_interleave(batch)
     return x.reshape(size * x.shape[1], *x.shape[2:])
 
 
@@ -284,14 +302,14 @@ def _rotary_vmap(info: Any, in_dims: tuple, *args: Any) -> Any:
     assert x is not None  # (the input is a tensor)
     batch = x.shape[1]
     if cos.dim() == 3:  # a row per token of each sequence
-        cos, sin = _fold(cos, None, size), _fold(sin, None, size)
+        cos, sin = _fold(cos, None, size, batch), _fold(sin, None, size, batch)
     y = _rotary_op(
         x.reshape(size * batch, *x.shape[2:]),
         cos,
         sin,
-        _fold(ids, in_dims[3], size),
+        _fold(ids, in_dims[3], size, batch),
         offset,
-        _fold(offsets, in_dims[5], size),
+        _fold(offsets, in_dims[5], size, batch),
         *options,
     )
     return _unfold(y, size), 0
@@ -305,18 +323,18 @@ def _rotary_qk_vmap(info: Any, in_dims: tuple, *args: Any) -> Any:
         return _per_sample(_rotary_qk_op, info, in_dims, args)
     q, k = _front(q, in_dims[0], size), _front(k, in_dims[1], size)
     assert q is not None and k is not None
-    if cos.dim() == 3:  # (full_width: the op's one table for the batch, broadcast first)
-        rows = q.shape[1] if options[-1] else None
-        cos, sin = _fold(cos, None, size, rows), _fold(sin, None, size, rows)
     batch = q.shape[1]
+    if cos.dim() == 3:  # (full_width: the op's one table for the batch, broadcast first)
+        full_width = options[-1]
+        cos, sin = (_fold(c, None, size, batch, full_width) for c in (cos, sin))
     y_q, y_k = _rotary_qk_op(
         q.reshape(size * batch, *q.shape[2:]),
         k.reshape(size * k.shape[1], *k.shape[2:]),
         cos,
         sin,
-        _fold(ids, in_dims[4], size),
+        _fold(ids, in_dims[4], size, batch),
         offset,
-        _fold(offsets, in_dims[6], size),
+        _fold(offsets, in_dims[6], size, batch),
         *options,
     )
     return (_unfold(y_q, size), _unfold(y_k, size)), (0, 0)
@@ -341,8 +359,18 @@ def _rotary_qk_vmap(info: Any, in_dims: tuple, *args: Any) -> Any:
 def _save_for_forward(ctx: Any, inputs: tuple, output: Any) -> None:
     _setup(ctx, inputs, output)
     ctx.save_for_forward(*_constants(inputs)[0])
-    # q's and k's forms, for a zero tangent where only one of them carries one.
-    ctx.forms = [(x.shape, x.dtype, x.device) for x in inputs[:2]]
+    # Tangents (and gradients) that are absent come as None, not zeros: a cache with a
+    # tangent is then told from one without, at every level of nested transforms.
+    ctx.set_materialize_grads(False)
+    if len(inputs) == 14:  # q's and k's forms, for zeros where only one has a tangent
+        ctx.forms = [(x.shape, x.dtype, x.device) for x in inputs[:2]]
+
+
+def _refuse_cache_tangents(*tangents: Tensor | None) -> None:
+    # A cache's tangent, at this level of forward mode (an outer torch.func.jvp's
+    # included, which the public functions' check cannot see).
+    if any(t is not None for t in tangents):
+        raise NotImplementedError(_CACHE_GRADIENT)
 
 
 class _Rotary(torch.autograd.Function):
@@ -368,8 +396,7 @@ class _RotaryDual(_Rotary):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Tensor | None, *others: Any) -> Tensor | None:  # type: ignore[override]
-        # The caches' tangents are None or the zeros torch.func makes for inputs that
-        # carry none: caches with one are refused before the call (check_caches).
+        _refuse_cache_tangents(*others[:2])
         if tangent is None:
             return None
         cos, sin, ids, offsets = ctx.saved_tensors
@@ -399,14 +426,10 @@ class _RotaryQKDual(_RotaryQK):
 
     @staticmethod
     def jvp(ctx: Any, tangent_q: Any, tangent_k: Any, *others: Any) -> tuple:  # type: ignore[override]
+        _refuse_cache_tangents(*others[:2])
         if tangent_q is None and tangent_k is None:
             return None, None
-        tangent_q, tangent_k = (
-            torch.zeros(shape, dtype=dtype, device=device) if tangent is None else tangent
-            for tangent, (shape, dtype, device) in zip(
-                (tangent_q, tangent_k), ctx.forms, strict=True
-            )
-        )
+        tangent_q, tangent_k = _zeros_for_none(ctx, tangent_q, tangent_k)
         cos, sin, ids, offsets = ctx.saved_tensors
         return recorded_qk_op(
             tangent_q, tangent_k, cos, sin, ids, ctx.offset, offsets, *ctx.options
@@ -417,9 +440,13 @@ def _records(*inputs: Tensor) -> int:
     """0: the op itself (nothing to record, or tracing by Dynamo or torch.jit.trace: the
     op and its registered autograd go into the graph, as a tracer expects of a custom
     op); 1: reverse mode; 2: forward mode too (a level is open)."""
-    if forward_ad_active():
+    if torch.autograd.forward_ad._current_level >= 0:
         mode = 2
-    elif torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+    elif (torch.is_grad_enabled() and any(x.requires_grad for x in inputs)) or (
+        torch._C._functorch.peek_interpreter_stack() is not None
+    ):
+        # (Inside a torch.func transform the tensors seen here may be the innermost
+        # level's wrappers, while an outer grad level tracks them: reverse mode.)
         mode = 1
     else:
         return 0
@@ -496,9 +523,9 @@ def _offsets(position_offset: Any, like: Tensor) -> tuple[int | None, Tensor | N
 
 
 def check_caches(cos: Tensor, sin: Tensor) -> None:
+    """``NotImplementedError`` for caches that require grad (before the call; a tangent
+    of a cache is refused by the forward-mode rule, at whatever level it comes)."""
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
-        raise NotImplementedError(_CACHE_GRADIENT)
-    if forward_ad_active() and (tangent(cos) is not None or tangent(sin) is not None):
         raise NotImplementedError(_CACHE_GRADIENT)
 
 
@@ -526,8 +553,9 @@ def rotary_embedding(
     ``position_offset``: an int or an integer tensor of shape ``[batch]``.
 
     Backward: the gradient with respect to ``input`` is the output's gradient rotated
-    by the negative angle (``inverse=True``), by the same kernels. Caches that require
-    grad raise ``NotImplementedError``.
+    by the negative angle (``inverse=True``), by the same kernels; forward mode: the
+    output's tangent is the input's tangent rotated. Caches that require grad or carry
+    a tangent raise ``NotImplementedError``.
 
     Examples
     --------

@@ -147,9 +147,10 @@ def test_flash_attn_is_differentiable_like_flash_attn(rng):
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_flash_attn_forward_mode_equals_torch_arithmetic(rng):
-    """A tensor with a forward-mode tangent goes through numba_rope.torch too: the
-    tangent from torch.func.jvp equals torch's own forward mode through flash-attn's
-    arithmetic written here (float64, as above), variable-length batches included."""
+    """A tensor with a forward-mode tangent, or under torch.func.vmap, goes through
+    numba_rope.torch too: the tangent from torch.func.jvp equals torch's own forward
+    mode through flash-attn's arithmetic written here (float64, as above), and each
+    sample under vmap that arithmetic, variable-length batches included."""
     lengths, offsets = [4, 2, 3], [1, 0, 6]
     cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     x, direction = (torch.tensor(rng.standard_normal((9, 2, 10))) for _ in range(2))
@@ -167,6 +168,17 @@ def test_flash_attn_forward_mode_equals_torch_arithmetic(rng):
         lambda a: _rotate_half_torch(a, cos[rows], sin[rows], 6), (x,), (direction,)
     )
     torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+    # vmap over a stack of such batches: through numba_rope.torch as well.
+    stack = torch.stack([x, direction])
+    got = torch.func.vmap(
+        lambda a: flash_attn.apply_rotary_emb(
+            a, cos, sin, seqlen_offsets=torch.tensor(offsets), cu_seqlens=cu_seqlens
+        )
+    )(stack)
+    for one, a in zip(got, stack, strict=True):
+        torch.testing.assert_close(
+            one, _rotate_half_torch(a, cos[rows], sin[rows], 6), rtol=0, atol=1e-13
+        )
 
 
 def test_flash_attn_batch_form_is_differentiable(rng):

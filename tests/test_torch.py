@@ -621,6 +621,18 @@ def test_qk_forward_mode_with_a_tangent_for_q_only(rng):
             forward_ad.unpack_dual(k_out).primal.numpy(),
             reference.rotary_embedding(k, cos, sin, **options),
         )
+    # Both modes at once, k's output unused: q's gradient is the inverse rotation of
+    # the weights (k's output gets no gradient: the forward-mode function's zeros).
+    weights = rng.standard_normal(q.shape)
+    with forward_ad.dual_level():
+        q_both = torch.from_numpy(q.copy()).requires_grad_()
+        q_out, _ = rope(
+            forward_ad.make_dual(q_both, torch.from_numpy(direction)), torch.from_numpy(k)
+        )
+        (q_out * torch.from_numpy(weights)).sum().backward()
+    np.testing.assert_array_equal(
+        q_both.grad.numpy(), reference.rotary_embedding(weights, cos, sin, inverse=True, **options)
+    )
     tangents = (torch.from_numpy(direction), torch.zeros(k.shape, dtype=torch.float64))
     _, (q_tangent, k_tangent) = torch.func.jvp(
         rope, (torch.from_numpy(q), torch.from_numpy(k)), tangents
@@ -767,6 +779,54 @@ def test_vmap_of_q_and_k_and_per_sample_gradients(rng, mapped):
 
 
 @FORWARD_WARNINGS
+def test_nested_transforms(rng):
+    """Transforms inside transforms. f(x) = sum(rope(x)**2) has the Hessian 2 R^T R = 2I
+    (R orthogonal; float64 rounding of cos**2 + sin**2 and the sums aside): jacrev of
+    jacrev (reverse over reverse: an outer grad level tracks what the inner one wraps),
+    and the Jacobian of vmap(R) through vjp, reverse over vmap."""
+    x, cos, sin = case(rng, np.float64, shape=(1, 2, 3, 4), n_positions=5, half=2)
+    tc, ts = tensor(cos), tensor(sin)
+
+    def rope(t):
+        return numba_rope.torch.rotary_embedding(t, tc, ts, position_offset=1)
+
+    hessian = torch.func.jacrev(torch.func.jacrev(lambda t: (rope(t) ** 2).sum()))(
+        torch.from_numpy(x)
+    )
+    np.testing.assert_allclose(
+        hessian.numpy().reshape(x.size, x.size), 2 * np.eye(x.size), rtol=0, atol=1e-14
+    )
+    rows = torch.from_numpy(np.stack([x, 2 * x]))
+    weights = rng.standard_normal(rows.shape)
+    _, pull = torch.func.vjp(torch.func.vmap(rope), rows)
+    (grad,) = pull(torch.from_numpy(weights))
+    for g, w in zip(grad.numpy(), weights, strict=True):
+        np.testing.assert_array_equal(
+            g, reference.rotary_embedding(w, cos, sin, position_offset=1, inverse=True)
+        )
+
+
+@FORWARD_WARNINGS
+def test_zero_dimensional_offsets_under_vmap(rng):
+    """One offset tensor for the batch (0-d), shared by the samples or one per sample
+    (mapped over a [samples] tensor): the reference's answer for each sample."""
+    x, cos, sin = case(rng, np.float32, shape=(3, 2, 4, 5, 8))
+    tc, ts = tensor(cos), tensor(sin)
+
+    def rope(t, offset):
+        return numba_rope.torch.rotary_embedding(t, tc, ts, position_offset=offset)
+
+    shared = torch.func.vmap(lambda t: rope(t, torch.tensor(2)))(torch.from_numpy(x))
+    each = torch.func.vmap(rope)(torch.from_numpy(x), torch.tensor([0, 4, 1]))
+    for i, offset in enumerate([0, 4, 1]):
+        for got, o in ((shared[i], 2), (each[i], offset)):
+            expected = reference.rotary_embedding(
+                x[i], cos, sin, position_offset=o, precision="contract"
+            )
+            np.testing.assert_array_equal(got.numpy(), expected)
+
+
+@FORWARD_WARNINGS
 def test_cache_tangents_are_refused(rng):
     x, cos, sin = case(rng, np.float64)
     forward_ad = torch.autograd.forward_ad
@@ -782,6 +842,20 @@ def test_cache_tangents_are_refused(rng):
             (torch.ones_like(tc),),
         )
 
+    # A tangent of a cache at an outer level, under an inner transform of the input:
+    # refused too (it was dropped, the derivative read 0).
+    def inner_jvp(c):
+        rope = lambda a: numba_rope.torch.rotary_embedding(a, c, ts, position_offset=0)  # noqa: E731
+        return torch.func.jvp(rope, (t,), (torch.ones_like(t),))[1]
+
+    def inner_grad(c):
+        rope = lambda a: numba_rope.torch.rotary_embedding(a, c, ts, position_offset=0)  # noqa: E731
+        return torch.func.grad(lambda a: (rope(a) ** 2).sum())(t)
+
+    for inner in (inner_jvp, inner_grad):
+        with pytest.raises(NotImplementedError, match="cos_cache"):
+            torch.func.jvp(inner, (tc,), (torch.ones_like(tc),))
+
 
 @FORWARD_WARNINGS
 @pytest.mark.parametrize("two", [False, True], ids=["one", "qk"])
@@ -792,11 +866,12 @@ def test_array_functions_refuse_what_autograd_follows(rng, two):
     was dropped, or torch's "Cannot access data pointer" was raised)."""
     x, cos, sin = case(rng, np.float32)
     tc, ts = tensor(cos), tensor(sin)
+    k = torch.from_numpy(x.copy())
 
     def call(t, out=None):
         if two:
             return numba_rope.rotary_embedding_qk(
-                t, t.clone(), tc, ts, position_offset=1, out_q=out, out_k=None
+                t, k, tc, ts, position_offset=1, out_q=out, out_k=None
             )
         return numba_rope.rotary_embedding(t, tc, ts, position_offset=1, out=out)
 
@@ -813,13 +888,51 @@ def test_array_functions_refuse_what_autograd_follows(rng, two):
             call(t, out=dual_out)
         assert not bool(target.any())
         call(t)  # tensors without a tangent go through while a level is open
-    for transform in (
+    transforms = (
         torch.func.vmap,
-        lambda f: lambda a: torch.func.jvp(f, (a,), (torch.ones_like(a),)),
+        lambda f: lambda a: torch.func.jvp(f, (a,), (torch.ones_like(a),))[0],
         lambda f: torch.func.grad(lambda a: f(a).sum()),
-    ):
+    )
+    for transform in transforms:
         with pytest.raises(TypeError, match=r"torch\.func transform.*numba_rope\.torch"):
             transform(lambda a: call(a) if not two else call(a)[0])(t)
+    # A tensor the transform does not transform is a constant to it: read, rotated.
+    expected = reference.rotary_embedding(x, cos, sin, position_offset=1, precision="contract")
+    for transform in transforms:
+        seen: list = []
+
+        def constant(a, seen=seen):
+            seen.append(call(t) if not two else call(t)[0])
+            return a.sum()
+
+        transform(constant)(torch.zeros(2))
+        np.testing.assert_array_equal(host(seen[0]), expected)
+
+
+def test_torch_compile_as_the_first_call_of_a_process():
+    """torch.compile(fullgraph=True) of a function whose caches are arguments, before
+    any eager call in the process: the compiled loss and gradient equal eager. (A
+    review saw Dynamo fail here at 9176fef, guarding on a module that numba_rope kept
+    in a global after its first call; not reproduced since, and nothing is kept so.)"""
+    script = """
+import torch, numba_rope, numba_rope.torch as nrt
+def f(q, k, c, s):
+    q, k = nrt.rotary_embedding_qk(q, k, c, s, position_offset=1)
+    return (q * q).sum() + k.sum()
+c, s = (torch.from_numpy(a) for a in numba_rope.rope_cache(32, 8))
+q = torch.randn(1, 2, 3, 8, requires_grad=True); k = torch.randn(1, 1, 3, 8)
+loss = torch.compile(f, fullgraph=True)(q, k, c, s); loss.backward(); grad = q.grad.clone()
+q.grad = None; eager = f(q, k, c, s); eager.backward()
+torch.testing.assert_close(loss, eager); torch.testing.assert_close(grad, q.grad)
+print("same")
+"""
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore::DeprecationWarning", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "same", done.stderr[-2000:]
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")

@@ -28,7 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from numba_rope._autograd import check_unrecorded, forward_ad_active, tangent, transformed_error
+from numba_rope._autograd import (
+    check_unrecorded,
+    forward_ad_active,
+    numpy_view,
+    tangent,
+    transformed_error,
+)
 
 #: Output arguments, by name (written through their views).
 _OUTPUT_NAMES = ("out", "out_q", "out_k")
@@ -67,7 +73,7 @@ def host_view(tensor: Any, argument: str) -> np.ndarray:
     if tensor.dtype is torch.bfloat16:
         return bfloat16_view(tensor)
     try:
-        return tensor.numpy()
+        return numpy_view(tensor)
     except TypeError:  # a dtype NumPy has no type for (float8, complex32, ...)
         raise TypeError(
             f"{argument} is a torch tensor of dtype {tensor.dtype}, which has no NumPy "
@@ -81,9 +87,9 @@ def plain_views(arrays: tuple) -> list | None:
     them is a plain one: a ``torch.Tensor`` itself (no subclass) on the CPU, strided,
     recording no autograd (no forward-mode tangent either), without torch's negative or
     conjugate bit, of a dtype NumPy holds (bfloat16 as ``ml_dtypes.bfloat16``); NumPy
-    arrays and None as they are, one view per tensor object (``out=x`` stays in place). None otherwise: the general
-    path (:func:`host_view`) then views, resolves or refuses what is there, naming
-    the argument.
+    arrays and None as they are, one view per tensor object (``out=x`` stays in
+    place). None otherwise: the general path (:func:`host_view`) then views, resolves
+    or refuses what is there, naming the argument.
 
     The views of a small call's tensors with the least work (about 0.85 us a float32
     or float16 tensor, ``Tensor.numpy()`` 0.52 of it): the public functions' path
@@ -126,7 +132,7 @@ def bfloat16_view(tensor: Any) -> np.ndarray:
     import ml_dtypes  # not at import time: it costs more than the rest of numba_rope
     import torch
 
-    return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return numpy_view(tensor.view(torch.int16)).view(ml_dtypes.bfloat16)
 
 
 def result_of(x: Any, out: Any, result: np.ndarray) -> Any:
