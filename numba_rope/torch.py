@@ -251,6 +251,12 @@ _rotary_qk_op.register_autograd(_rotary_qk_backward, setup_context=_setup)
 # cannot be folded: the op then runs once per table.
 
 
+def _batching_rule(name: str) -> Any:
+    """``torch.library.register_vmap(name)`` (torch 2.5 on); before it, torch's loop."""
+    register = getattr(torch.library, "register_vmap", None)
+    return (lambda rule: rule) if register is None else register(name)
+
+
 def _front(x: Tensor | None, dim: int | None, size: int) -> Tensor | None:
     """``x`` with the mapped axis first, ``[size, ...]`` (an unmapped ``x`` expanded)."""
     if x is None:
@@ -292,7 +298,7 @@ def _per_sample(op: Any, info: Any, in_dims: tuple, args: tuple) -> Any:
     return torch.stack(results), 0
 
 
-@torch.library.register_vmap("numba_rope::rotary_embedding")
+@_batching_rule("numba_rope::rotary_embedding")
 def _rotary_vmap(info: Any, in_dims: tuple, *args: Any) -> Any:
     input, cos, sin, ids, offset, offsets, *options = args
     size = info.batch_size
@@ -315,7 +321,7 @@ def _rotary_vmap(info: Any, in_dims: tuple, *args: Any) -> Any:
     return _unfold(y, size), 0
 
 
-@torch.library.register_vmap("numba_rope::rotary_embedding_qk")
+@_batching_rule("numba_rope::rotary_embedding_qk")
 def _rotary_qk_vmap(info: Any, in_dims: tuple, *args: Any) -> Any:
     q, k, cos, sin, ids, offset, offsets, *options = args
     size = info.batch_size
@@ -440,7 +446,7 @@ def _records(*inputs: Tensor) -> int:
     """0: the op itself (nothing to record, or tracing by Dynamo or torch.jit.trace: the
     op and its registered autograd go into the graph, as a tracer expects of a custom
     op); 1: reverse mode; 2: forward mode too (a level is open)."""
-    if torch.autograd.forward_ad._current_level >= 0:
+    if getattr(torch.autograd.forward_ad, "_current_level", 0) >= 0:
         mode = 2
     elif (torch.is_grad_enabled() and any(x.requires_grad for x in inputs)) or (
         torch._C._functorch.peek_interpreter_stack() is not None
