@@ -442,21 +442,31 @@ class _RotaryQKDual(_RotaryQK):
         )
 
 
-def _records(*inputs: Tensor) -> int:
+def _records(first: Tensor, second: Tensor | None = None) -> int:
     """0: the op itself (nothing to record, or tracing by Dynamo or torch.jit.trace: the
     op and its registered autograd go into the graph, as a tracer expects of a custom
     op); 1: reverse mode; 2: forward mode too (a level is open)."""
     if getattr(torch.autograd.forward_ad, "_current_level", 0) >= 0:
         mode = 2
-    elif (torch.is_grad_enabled() and any(x.requires_grad for x in inputs)) or (
-        torch._C._functorch.peek_interpreter_stack() is not None
+    elif torch.is_grad_enabled() and (
+        first.requires_grad or (second is not None and second.requires_grad)
     ):
-        # (Inside a torch.func transform the tensors seen here may be the innermost
-        # level's wrappers, while an outer grad level tracks them: reverse mode.)
         mode = 1
-    else:
+    elif torch._C._functorch.peek_interpreter_stack() is None:
         return 0
+    elif torch.compiler.is_compiling() or _only_vmap():
+        return 0  # (vmap alone: the op's batching rule, without the Function's layer)
+    else:
+        # Inside a torch.func transform the tensors seen here may be the innermost
+        # level's wrappers while an outer grad level tracks them: reverse mode.
+        mode = 1
     return 0 if torch.compiler.is_compiling() or torch.jit.is_tracing() else mode
+
+
+def _only_vmap() -> bool:
+    """Whether every torch.func transform running now is a vmap."""
+    vmap = torch._C._functorch.TransformType.Vmap
+    return all(level.key() == vmap for level in torch._C._functorch.get_interpreter_stack())
 
 
 def recorded_op(*inputs: Any) -> Tensor:
