@@ -10,8 +10,8 @@ follows is therefore refused there, with the way out (:func:`check_unrecorded`):
 * one inside a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``, ...), whose
   memory is not the values it stands for (:func:`transformed_error`).
 
-:mod:`numba_rope.torch` records both modes. torch is imported by these functions only, which run for a caller who passed a
-tensor: it is already imported then.
+:mod:`numba_rope.torch` records both modes. torch is imported by these functions
+only, which run for a caller who passed a tensor: it is already imported then.
 """
 
 from __future__ import annotations

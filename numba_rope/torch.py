@@ -352,14 +352,15 @@ def _rotary_qk_vmap(info: Any, in_dims: tuple, *args: Any) -> Any:
 # (torch 2.13), and torch.func's reverse transforms refuse the autograd function torch
 # generates for an op. So the public functions (and numba_rope.huggingface) call
 # :func:`recorded_op` / :func:`recorded_qk_op`. These take the op itself where nothing is
-# recorded and under torch.compile (Dynamo traces the op with its registered autograd;
-# an autograd.Function would be traced through, which in torch 2.13 warns, and one that
-# defines ``jvp`` is refused); an autograd.Function of it where reverse mode records in
-# eager mode (torch.func.grad, vjp, jacrev included); and one with a forward-mode rule
-# (``jvp``) where a forward-mode level is open (torch.autograd.forward_ad,
-# torch.func.jvp, jacfwd). The derivative of a rotation with respect to the input is the
-# rotation itself (the operator is linear in it): the tangent is the op applied to the
-# input's tangent.
+# recorded, under torch.compile (Dynamo traces the op with its registered autograd; an
+# autograd.Function would be traced through, which in torch 2.13 warns, and one that
+# defines ``jvp`` is refused) and under vmap alone (the op's batching rule); an
+# autograd.Function of it where reverse mode records in eager mode (torch.func.grad,
+# vjp, jacrev included); and one with a forward-mode rule (``jvp``) where a
+# forward-mode level is open (torch.autograd.forward_ad, torch.func.jvp, jacfwd), in
+# eager mode (a compiled function breaks its graph there; see _records). The derivative
+# of a rotation with respect to the input is the rotation itself (the operator is
+# linear in it): the tangent is the op applied to the input's tangent.
 
 
 def _save_for_forward(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -443,9 +444,13 @@ class _RotaryQKDual(_RotaryQK):
 
 
 def _records(first: Tensor, second: Tensor | None = None) -> int:
-    """0: the op itself (nothing to record, or tracing by Dynamo or torch.jit.trace: the
-    op and its registered autograd go into the graph, as a tracer expects of a custom
-    op); 1: reverse mode; 2: forward mode too (a level is open)."""
+    """How :func:`recorded_op` calls the op. 0: the op itself: nothing to record, a
+    tracer (Dynamo, torch.jit.trace: the op and its registered autograd go into the
+    graph, as a tracer expects of a custom op), or torch.func transforms none of which
+    differentiates (vmap: the op's batching rule; functionalize). 1: the reverse-mode
+    autograd.Function: grad mode with an input that requires grad, or a grad or jvp
+    transform running (an outer level may track what the innermost wraps). 2: the
+    forward-mode one (a forward-mode level is open)."""
     if getattr(torch.autograd.forward_ad, "_current_level", 0) >= 0:
         mode = 2
     elif torch.is_grad_enabled() and (
@@ -454,19 +459,24 @@ def _records(first: Tensor, second: Tensor | None = None) -> int:
         mode = 1
     elif torch._C._functorch.peek_interpreter_stack() is None:
         return 0
-    elif torch.compiler.is_compiling() or _only_vmap():
-        return 0  # (vmap alone: the op's batching rule, without the Function's layer)
+    elif torch.compiler.is_compiling() or not _differentiating():
+        return 0
     else:
-        # Inside a torch.func transform the tensors seen here may be the innermost
-        # level's wrappers while an outer grad level tracks them: reverse mode.
         mode = 1
-    return 0 if torch.compiler.is_compiling() or torch.jit.is_tracing() else mode
+    if torch.compiler.is_compiling():
+        if mode == 2:
+            # The op's registered autograd has no forward mode: that call runs eagerly,
+            # through the forward-mode function (with fullgraph=True, Dynamo says so).
+            torch._dynamo.graph_break()
+        return 0
+    return 0 if torch.jit.is_tracing() else mode
 
 
-def _only_vmap() -> bool:
-    """Whether every torch.func transform running now is a vmap."""
-    vmap = torch._C._functorch.TransformType.Vmap
-    return all(level.key() == vmap for level in torch._C._functorch.get_interpreter_stack())
+def _differentiating() -> bool:
+    """Whether a grad or jvp transform of torch.func is running."""
+    kinds = torch._C._functorch.TransformType
+    derivatives = (kinds.Grad, kinds.Jvp)
+    return any(level.key() in derivatives for level in torch._C._functorch.get_interpreter_stack())
 
 
 def recorded_op(*inputs: Any) -> Tensor:

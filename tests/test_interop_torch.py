@@ -175,6 +175,12 @@ def test_flash_attn_forward_mode_equals_torch_arithmetic(rng):
             a, cos, sin, seqlen_offsets=torch.tensor(offsets), cu_seqlens=cu_seqlens
         )
     )(stack)
+    with pytest.raises(TypeError, match=r"mapped by torch\.func\.vmap"):
+        torch.func.vmap(  # offsets mapped: read on the host, they cannot be
+            lambda a, o: flash_attn.apply_rotary_emb(
+                a, cos, sin, seqlen_offsets=o, cu_seqlens=cu_seqlens
+            )
+        )(stack, torch.tensor([offsets, offsets]))
     for one, a in zip(got, stack, strict=True):
         torch.testing.assert_close(
             one, _rotate_half_torch(a, cos[rows], sin[rows], 6), rtol=0, atol=1e-13

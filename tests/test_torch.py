@@ -806,6 +806,41 @@ def test_nested_transforms(rng):
         )
 
 
+def test_functionalize_calls_the_op(rng):
+    """torch.func.functionalize (which torch.export and make_fx use) over the functions,
+    vmap inside it too: the reference's values (it refused the autograd.Function a
+    commit of this session had put there)."""
+    x, cos, sin = case(rng, np.float32)
+    tc, ts = tensor(cos), tensor(sin)
+
+    def rope(t):
+        return numba_rope.torch.rotary_embedding(t, tc, ts, position_offset=2)
+
+    expected = reference.rotary_embedding(x, cos, sin, position_offset=2, precision="contract")
+    got = torch.func.functionalize(rope)(torch.from_numpy(x))
+    np.testing.assert_array_equal(got.numpy(), expected)
+    stacked = torch.func.functionalize(torch.func.vmap(rope))(torch.from_numpy(x[None]))
+    np.testing.assert_array_equal(stacked[0].numpy(), expected)
+
+
+@FORWARD_WARNINGS
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_forward_mode_inside_a_compiled_function_is_not_dropped(rng):
+    """torch.compile(fullgraph=True) of torch.func.jvp over the function: an error (the
+    op's registered autograd has no forward mode, so the call breaks the graph), not
+    the zero tangent it gave before."""
+    x, cos, sin = case(rng, np.float64)
+    tc, ts = tensor(cos), tensor(sin)
+
+    def tangent(t):
+        rope = lambda a: numba_rope.torch.rotary_embedding(a, tc, ts, position_offset=1)  # noqa: E731
+        return torch.func.jvp(rope, (t,), (t,))[1]
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="graph_break"):
+        torch.compile(tangent, fullgraph=True, backend="aot_eager")(torch.from_numpy(x))
+
+
 @FORWARD_WARNINGS
 def test_zero_dimensional_offsets_under_vmap(rng):
     """One offset tensor for the batch (0-d), shared by the samples or one per sample
