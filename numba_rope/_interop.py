@@ -76,14 +76,14 @@ def to_host(array: Any) -> np.ndarray:
     if _is_torch(array):
         import torch
 
-        # Under a torch.func transform (vmap, grad, jvp) even a tensor it does not
-        # transform reads as a wrapper without storage: read it below the transforms.
         if getattr(torch._C._functorch, "is_batchedtensor", bool)(array):
             raise TypeError(
                 "an integer tensor that numba_rope reads on the host (cu_seqlens, "
                 "seqlen_offsets, positions) is mapped by torch.func.vmap; pass it "
                 "unmapped (one for every sample) and map the input instead"
             )
+        # Under a torch.func transform (vmap, grad, jvp) even a tensor it does not
+        # transform reads as a wrapper without storage: read it below the transforms.
         below = getattr(torch._C, "_DisableFuncTorch", contextlib.nullcontext)
         with below():
             return array.detach().cpu().numpy()

@@ -217,9 +217,8 @@ def _rotate(x: Any, cos: Any, sin: Any, position_ids: Any, out: Any, **options: 
     """The operator, checks of positions already made: through :mod:`numba_rope.torch`
     (differentiable with respect to ``x``, as flash-attn's function is) for a torch
     tensor that records autograd (reverse mode, a forward-mode tangent, a torch.func
-    transform), through
-    :func:`numba_rope.rotary_embedding` otherwise. In place on a tensor that records
-    autograd is refused there, with the way out."""
+    transform), through :func:`numba_rope.rotary_embedding` otherwise. In place on a
+    tensor that records autograd is refused there, with the way out."""
     if out is None and type(x) is not np.ndarray and _records_autograd(x):
         from numba_rope import torch as differentiable
 

@@ -12,9 +12,9 @@ NumPy input.
 
 What a NumPy view cannot carry is refused or resolved here, before anything is
 written: a tensor that records autograd, reverse or forward mode, or one inside a
-``torch.func`` transform (:mod:`numba_rope._autograd`; use :mod:`numba_rope.torch`), an ``out``
-with torch's negative or conjugate bit (an input with one is resolved, a copy), a
-layout other than strided, a dtype NumPy cannot hold. An ``out`` tensor written
+``torch.func`` transform (:mod:`numba_rope._autograd`; use :mod:`numba_rope.torch`),
+an ``out`` with torch's negative or conjugate bit (an input with one is resolved, a
+copy), a layout other than strided, a dtype NumPy cannot hold. An ``out`` tensor written
 through its view has its autograd version counter bumped, as an in-place torch
 operation would, so a graph that saved it refuses to run backward on stale values.
 
@@ -98,8 +98,8 @@ def plain_views(arrays: tuple) -> list | None:
     import torch
 
     tensor_type, strided, bfloat16 = torch.Tensor, torch.strided, torch.bfloat16
-    forward_mode = getattr(torch.autograd.forward_ad, "_current_level", 0) >= 0  # (inline:
-    # forward_ad_active's import costs 0.1 us)
+    # (forward_ad_active, inline: its import costs 0.1 us)
+    forward_mode = getattr(torch.autograd.forward_ad, "_current_level", 0) >= 0
     views: list = []
     seen: dict[int, np.ndarray] = {}
     for array in arrays:
