@@ -283,6 +283,20 @@ def _fold(x: Tensor | None, dim: int | None, size: int, batch: int, one_row: boo
     return x.reshape(size * x.shape[1], *x.shape[2:])
 
 
+def _folded_call(op: Any, size: int, batch: int, *args: Any) -> Any:
+    """``op(*args)`` on folded arguments; its error says that the batch it names is
+    the samples' batches folded into one."""
+    try:
+        return op(*args)
+    except (ValueError, IndexError, TypeError) as error:
+        if type(error) not in (ValueError, IndexError, TypeError):
+            raise
+        raise type(error)(
+            f"{error} [under torch.func.vmap: the {size} samples' batches of {batch} "
+            f"are folded into one batch of {size * batch} here]"
+        ) from None
+
+
 def _unfold(y: Tensor, size: int) -> Tensor:
     return y.reshape(size, y.shape[0] // size, *y.shape[1:])
 
@@ -309,7 +323,10 @@ def _rotary_vmap(info: Any, in_dims: tuple, *args: Any) -> Any:
     batch = x.shape[1]
     if cos.dim() == 3:  # a row per token of each sequence
         cos, sin = _fold(cos, None, size, batch), _fold(sin, None, size, batch)
-    y = _rotary_op(
+    y = _folded_call(
+        _rotary_op,
+        size,
+        batch,
         x.reshape(size * batch, *x.shape[2:]),
         cos,
         sin,
@@ -333,7 +350,10 @@ def _rotary_qk_vmap(info: Any, in_dims: tuple, *args: Any) -> Any:
     if cos.dim() == 3:  # (full_width: the op's one table for the batch, broadcast first)
         full_width = options[-1]
         cos, sin = (_fold(c, None, size, batch, full_width) for c in (cos, sin))
-    y_q, y_k = _rotary_qk_op(
+    y_q, y_k = _folded_call(
+        _rotary_qk_op,
+        size,
+        batch,
         q.reshape(size * batch, *q.shape[2:]),
         k.reshape(size * k.shape[1], *k.shape[2:]),
         cos,

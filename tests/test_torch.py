@@ -806,6 +806,19 @@ def test_nested_transforms(rng):
         )
 
 
+@FORWARD_WARNINGS
+def test_errors_under_vmap_say_the_batch_is_folded(rng):
+    """An error of the op under vmap names the folded batch (samples x batch): the
+    message says so, and still names the rule (the position ids' shape)."""
+    x, cos, sin = case(rng, np.float32, shape=(3, 2, 4, 5, 8))
+    tc, ts = tensor(cos), tensor(sin)
+    ids = torch.zeros(2, 6, dtype=torch.int64)  # seq_len 6 for inputs of 5 tokens
+    with pytest.raises(ValueError, match=r"position_ids must have shape.*3 samples' batches of 2"):
+        torch.func.vmap(lambda t: numba_rope.torch.rotary_embedding(t, tc, ts, ids))(
+            torch.from_numpy(x)
+        )
+
+
 def test_functionalize_calls_the_op(rng):
     """torch.func.functionalize (which torch.export and make_fx use) over the functions,
     vmap inside it too: the reference's values (it refused the autograd.Function a
