@@ -8,7 +8,7 @@ follows is therefore refused there, with the way out (:func:`check_unrecorded`):
 * one that carries a forward-mode tangent (``torch.autograd.forward_ad``,
   ``torch.func.jvp``): its tangent would be dropped without a word;
 * one inside a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``, ...), whose
-  memory is not the values it stands for (:func:`transformed_error`).
+  memory is not the values it stands for (:func:`transformed`).
 
 :mod:`numba_rope.torch` records both modes. torch is imported by these functions
 only, which run for a caller who passed a tensor: it is already imported then.
@@ -16,18 +16,18 @@ only, which run for a caller who passed a tensor: it is already imported then.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
 def forward_ad_active() -> bool:
     """Whether a forward-mode AD level is open (``forward_ad.dual_level()``, which
     ``torch.func.jvp`` and ``jacfwd`` open too): only then can a tensor carry a
-    tangent. A module attribute read, for every call with tensors (nothing is kept in
-    a global here: Dynamo, tracing a caller, would guard on it); if a later torch
-    drops the attribute, every call looks for tangents (slower, never wrong)."""
-    import torch
-
-    return getattr(torch.autograd.forward_ad, "_current_level", 0) >= 0
+    tangent. A module attribute read, for every call with tensors (torch is imported
+    then: the caller passed a tensor), kept in no global here (Dynamo, tracing a
+    caller, would guard on it); if a later torch drops the attribute, every call looks
+    for tangents (slower, never wrong)."""
+    return getattr(sys.modules["torch.autograd.forward_ad"], "_current_level", 0) >= 0
 
 
 def tangent(tensor: Any) -> Any:
@@ -38,12 +38,20 @@ def tangent(tensor: Any) -> Any:
 
 
 def check_unrecorded(tensor: Any, argument: str, forward_mode: bool) -> None:
-    """``TypeError`` for a tensor autograd follows (``requires_grad`` under grad mode;
-    a forward-mode tangent where ``forward_mode``, :func:`forward_ad_active`'s answer
-    for the call): numba_rope.rotary_embedding would give a result without its
-    gradient."""
+    """``TypeError`` for a tensor autograd follows, or one it cannot be read as: a
+    ``torch.func`` transform's wrapper (:func:`transformed`), ``requires_grad`` under
+    grad mode, a forward-mode tangent where ``forward_mode`` (:func:`forward_ad_active`'s
+    answer for the call). numba_rope.rotary_embedding would give a result without its
+    gradient, or fail in torch."""
     import torch
 
+    if transformed(tensor):
+        raise TypeError(
+            f"{argument} is a tensor inside a torch.func transform (vmap, grad, jvp, "
+            f"...), which numba_rope.rotary_embedding cannot read; use "
+            f"numba_rope.torch.rotary_embedding (or rotary_embedding_qk), which the "
+            f"transforms go through"
+        )
     if tensor.requires_grad and torch.is_grad_enabled():
         what = "requires grad"
     elif forward_mode and tangent(tensor) is not None:
@@ -81,16 +89,3 @@ def numpy_view(tensor: Any) -> Any:
             raise
         with below():
             return tensor.numpy()
-
-
-def transformed_error(tensor: Any, argument: str) -> TypeError | None:
-    """The ``TypeError`` for a tensor inside a ``torch.func`` transform (a wrapper
-    whose memory cannot be read), or None for any other tensor."""
-    if not transformed(tensor):
-        return None
-    return TypeError(
-        f"{argument} is a tensor inside a torch.func transform (vmap, grad, jvp, ...), "
-        f"which numba_rope.rotary_embedding cannot read; use "
-        f"numba_rope.torch.rotary_embedding (or rotary_embedding_qk), which the "
-        f"transforms go through"
-    )

@@ -471,6 +471,7 @@ def _records(first: Tensor, second: Tensor | None = None) -> int:
     autograd.Function: grad mode with an input that requires grad, or a grad or jvp
     transform running (an outer level may track what the innermost wraps). 2: the
     forward-mode one (a forward-mode level is open)."""
+    # (_autograd.forward_ad_active's test, through torch's attributes: Dynamo traces them)
     if getattr(torch.autograd.forward_ad, "_current_level", 0) >= 0:
         mode = 2
     elif torch.is_grad_enabled() and (

@@ -566,9 +566,12 @@ def _as_tensors(options):
 def test_forward_mode_gives_the_rotated_tangent(rng, options):
     """The operator is linear in its input: the tangent of the output is the rotation of
     the input's tangent, and the Jacobian the rotation of each unit vector. Oracle:
-    numba_rope.reference in float64 (for a unit vector each output element is a cache
-    value, its negation or zero: exact). Before, a tangent was dropped without a word
-    (a custom op has no forward-mode rule): jvp gave None, jacfwd zeros."""
+    numba_rope.reference in float64, bit for bit on every CPU: both evaluate each
+    element as two products and one sum or difference, each rounded once (the kernels
+    contract no FMA, NumPy's elementwise operations none either); for a unit vector
+    each element is a cache value, its negation or zero, exactly. Before, a tangent
+    was dropped without a word (a custom op has no forward-mode rule): jvp gave None,
+    jacfwd zeros."""
     x, cos, sin, options = _float64_case(rng, options)
     direction = rng.standard_normal(x.shape)
     expected = reference.rotary_embedding(direction, cos, sin, **options)

@@ -28,13 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from numba_rope._autograd import (
-    check_unrecorded,
-    forward_ad_active,
-    numpy_view,
-    tangent,
-    transformed_error,
-)
+from numba_rope._autograd import check_unrecorded, forward_ad_active, numpy_view, tangent
 
 #: Output arguments, by name (written through their views).
 _OUTPUT_NAMES = ("out", "out_q", "out_k")
@@ -54,9 +48,6 @@ def host_view(tensor: Any, argument: str) -> np.ndarray:
             f"{argument} is a torch tensor of layout {tensor.layout}; rotary_embedding "
             f"takes strided (dense) tensors: convert it with .to_dense()"
         )
-    transformed = transformed_error(tensor, argument)
-    if transformed is not None:
-        raise transformed
     check_unrecorded(tensor, argument, forward_ad_active())
     if tensor.is_neg() or tensor.is_conj():
         bit = "negative" if tensor.is_neg() else "conjugate"
@@ -98,8 +89,7 @@ def plain_views(arrays: tuple) -> list | None:
     import torch
 
     tensor_type, strided, bfloat16 = torch.Tensor, torch.strided, torch.bfloat16
-    # (forward_ad_active, inline: its import costs 0.1 us)
-    forward_mode = getattr(torch.autograd.forward_ad, "_current_level", 0) >= 0
+    forward_mode = forward_ad_active()
     views: list = []
     seen: dict[int, np.ndarray] = {}
     for array in arrays:

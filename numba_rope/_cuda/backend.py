@@ -20,7 +20,7 @@ import numpy as np
 from numba import cuda
 
 from numba_rope import config
-from numba_rope._autograd import check_unrecorded, forward_ad_active, transformed_error
+from numba_rope._autograd import check_unrecorded, forward_ad_active
 from numba_rope._cuda.kernels import (
     SIMULATOR,
     copy_cuda,
@@ -118,9 +118,6 @@ class CudaBackend:
         for argument_name, array in zip(names, arrays, strict=True):
             if array is not None and self._library[id(array)] == "torch":
                 # What records autograd is refused, as on the CPU (torch_host).
-                transformed = transformed_error(array, argument_name)
-                if transformed is not None:
-                    raise transformed
                 if forward_mode is None:
                     forward_mode = forward_ad_active()
                 check_unrecorded(array, argument_name, forward_mode)
