@@ -113,7 +113,10 @@ def forward_native(
 ) -> tuple[Any, Any]:
     """:func:`rotary_embedding`'s arguments; returns new ``(query, key)`` (``key`` None
     when None was given) of the inputs' shapes and kinds, leaving the inputs untouched,
-    as vLLM's ``RotaryEmbedding.forward_native`` does.
+    as vLLM's ``RotaryEmbedding.forward_native`` does. As there, the positions may list
+    the tokens in the other form than ``query`` does: ``[batch_size, seq_len]`` for a
+    ``[num_tokens, ...]`` query, or ``[num_tokens]`` for a ``[batch_size, seq_len, ...]``
+    one, the tokens in the same order (``key`` in ``query``'s form).
 
     Examples
     --------
@@ -270,11 +273,12 @@ def _split_cache(cos_sin_cache: Any, head_size: int) -> tuple[Any, Any, int]:
 
 
 def _tokens(
-    name: str, array: Any, positions_shape: tuple[int, ...], head_size: int
+    name: str, array: Any, positions_shape: tuple[int, ...], head_size: int, given: str = ""
 ) -> tuple[Any, int]:
     """``(view, num_heads)``: ``array`` as the operator's 3-D form ``[batch, seq_len,
     num_heads * head_size]`` or its 4-D ``bshd`` form, 1-D positions' tokens as a batch
-    of one sequence. The heads are always named (q and k may come in different forms)."""
+    of one sequence. The heads are always named (q and k may come in different forms).
+    ``given``: said after the positions' shape where that is not the caller's."""
     shape = tuple(array.shape)
     lead = len(positions_shape)
     forms = (
@@ -285,7 +289,8 @@ def _tokens(
     )
     if shape[:lead] != positions_shape or len(shape) not in (lead + 1, lead + 2):
         raise ValueError(
-            f"{name} must be {forms} for positions of shape {positions_shape}, got shape {shape}"
+            f"{name} must be {forms} for positions of shape {positions_shape}{given}, got "
+            f"shape {shape}"
         )
     if len(shape) == lead + 1:
         hidden = shape[-1]
@@ -303,6 +308,33 @@ def _tokens(
     else:
         num_heads = shape[-2]
     return (add_leading_axis(array) if lead == 1 else array), num_heads
+
+
+def _as_query_tokens(positions: Any, query_shape: tuple[int, ...], head_size: int) -> Any:
+    """``positions`` reshaped to ``query``'s token axes where those hold as many tokens
+    in another form: ``[batch_size, seq_len]`` positions for a ``[num_tokens, ...]``
+    query, ``[num_tokens]`` positions for a ``[batch_size, seq_len, ...]`` query. vLLM's
+    ``forward_native`` takes these (it flattens the positions and views the query as
+    ``[num_tokens, -1, head_size]``); its CUDA op, and :func:`rotary_embedding`, do not.
+    Otherwise ``positions`` as they are (:func:`_tokens` names what does not fit)."""
+    lead = len(positions.shape)
+    if lead not in (1, 2) or tuple(query_shape[:lead]) == tuple(positions.shape):
+        return positions
+    tokens = int(np.prod(positions.shape))
+    other = 3 - lead  # the other form's number of token axes
+    shape = tuple(query_shape[:other])
+    # the other form fits: its token axes hold the tokens, and after them come the
+    # channels as [num_heads * head_size] or [num_heads, head_size]
+    channels = query_shape[other:]
+    fits = (
+        len(shape) == other
+        and int(np.prod(shape)) == tokens
+        and (
+            (len(channels) == 1 and channels[0] % head_size == 0)
+            or (len(channels) == 2 and channels[1] == head_size)
+        )
+    )
+    return positions.reshape(shape) if fits else positions
 
 
 def _check_positions(positions: np.ndarray, rows: int) -> None:
@@ -342,6 +374,12 @@ def _rotate(
         raise ValueError(
             f"positions must be [num_tokens] or [batch_size, seq_len], got shape {positions_shape}"
         )
+    given, caller_positions = "", positions
+    if not inplace:
+        positions = _as_query_tokens(positions, tuple(query.shape), head_size)
+        if tuple(positions.shape) != positions_shape:
+            given = f" (positions of shape {positions_shape} taken as query's tokens)"
+            positions_shape = tuple(positions.shape)
     lead = len(positions_shape)
     q, num_heads = _tokens("query", query, positions_shape, head_size)
     ids = add_leading_axis(positions) if lead == 1 else positions
@@ -351,7 +389,7 @@ def _rotate(
         "layout": "bshd",
     }
     k, num_kv_heads = (
-        (None, None) if key is None else _tokens("key", key, positions_shape, head_size)
+        (None, None) if key is None else _tokens("key", key, positions_shape, head_size, given)
     )
     try:
         if key is None:
@@ -374,8 +412,8 @@ def _rotate(
     except IndexError:
         # A position outside the cache (the operator has written nothing): named as the
         # caller indexes ``positions`` (on the GPU the operator's message, ids[0, t]).
-        if isinstance(positions, np.ndarray):
-            _check_positions(positions, int(cos_sin_cache.shape[0]))
+        if isinstance(caller_positions, np.ndarray):
+            _check_positions(caller_positions, int(cos_sin_cache.shape[0]))
         raise
     if inplace:
         return query, key

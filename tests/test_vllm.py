@@ -21,6 +21,8 @@ holds, and the contract comparison allows one unit.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from oracles import BFLOAT16, assert_bitwise_equal, ulp_of
@@ -358,3 +360,61 @@ def test_equals_the_operator_on_the_same_tokens(rng):
         layout="bshd",
     )
     assert_bitwise_equal(got, want.reshape(6, 16))
+
+
+@pytest.mark.parametrize(
+    ("positions_shape", "query_shape", "key_shape"),
+    [
+        ((2, 3), (6, 32), (6, 2, 8)),  # [batch, seq_len] positions, [num_tokens, ...] tokens
+        ((6,), (2, 3, 32), (2, 3, 1, 8)),  # [num_tokens] positions, [batch, seq_len, ...]
+        ((6,), (2, 3, 4, 8), None),
+    ],
+)
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_forward_native_takes_positions_in_the_other_form(
+    rng, positions_shape, query_shape, key_shape, is_neox
+):
+    """vLLM's forward_native flattens the positions and views the query as [num_tokens,
+    -1, head_size], so it takes positions that list the tokens in the other form than
+    the query does; the in-place op (as vLLM's CUDA op) does not."""
+    cache = make_cache(16, 8, np.float32)
+    positions = rng.integers(0, 16, positions_shape)
+    query = rng.standard_normal(query_shape).astype(np.float32)
+    key = None if key_shape is None else rng.standard_normal(key_shape).astype(np.float32)
+    before = query.copy()
+    got_q, got_k = vllm.forward_native(positions, query, key, 8, cache, is_neox)
+    want_q, want_k = vllm_native(positions, query, key, 8, cache, is_neox)
+    assert_close_to_oracle(got_q, want_q, query, cache)
+    assert_bitwise_equal(got_q, contract(positions, query, 8, cache, is_neox))
+    if key is None:
+        assert got_k is None
+    else:
+        assert_close_to_oracle(got_k, want_k, key, cache)
+        assert_bitwise_equal(got_k, contract(positions, key, 8, cache, is_neox))
+    assert_bitwise_equal(query, before)
+    with pytest.raises(ValueError, match=re.escape(f"positions of shape {positions_shape},")):
+        vllm.rotary_embedding(positions, query, key, 8, cache, is_neox)
+    assert_bitwise_equal(query, before)
+
+
+def test_positions_in_the_other_form_out_of_range_name_the_callers_place():
+    positions = np.zeros(6, np.int64)
+    positions[4] = 99
+    with pytest.raises(IndexError, match=r"positions\[4\] = 99"):
+        vllm.forward_native(
+            positions, np.ones((2, 3, 8), np.float32), None, 8, make_cache(16, 8, np.float32), True
+        )
+
+
+def test_query_and_key_in_different_token_forms_are_refused_by_name():
+    """The positions are taken as the query's tokens; a key in the other form would
+    need its own positions: refused, naming both shapes of the positions."""
+    with pytest.raises(ValueError, match=r"positions of shape \(2, 3\) \(positions of shape"):
+        vllm.forward_native(
+            np.arange(6),
+            np.ones((2, 3, 8), np.float32),
+            np.ones((6, 8), np.float32),
+            8,
+            make_cache(16, 8, np.float32),
+            True,
+        )
