@@ -150,8 +150,6 @@ def apply_rotary_pos_emb(
     # per sequence.
     batch = q.shape[0] if ids is None and cos.shape[0] == 1 and q.shape[0] != 1 else None
     if _is_torch(q):
-        import torch
-
         import numba_rope.torch  # registers the ops
 
         if not (_is_torch(cos) and _is_torch(sin)):
@@ -167,7 +165,9 @@ def apply_rotary_pos_emb(
             )
         numba_rope.torch.check_caches(cos, sin)  # (gradients for q and k only)
         if ids is not None and not _is_torch(ids):
-            ids = torch.as_tensor(ids, device=q.device)
+            # through numba_rope.torch's reading of NumPy arrays: a read-only one (the
+            # broadcast row above) without torch's warning that it cannot guard it
+            ids = numba_rope.torch.as_tensor_like(ids, q)
         # The op checks the halves, halves the caches and broadcasts a one-row table over
         # the batch where the data are real (under torch.compile too); it is
         # differentiable with respect to q and k (recorded_qk_op records either mode).

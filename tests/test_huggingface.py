@@ -348,6 +348,11 @@ def test_one_row_of_position_ids_serves_the_batch(hf, unsqueeze_dim):
     for a, b in zip(got, want, strict=True):
         assert a.shape == b.shape
         assert torch.equal(a, b)
+    # The row as a NumPy array with torch tensors: broadcast read-only, and read without
+    # torch's "not writable" warning (an error under this suite's filterwarnings).
+    got = apply_rotary_pos_emb(q, k, cos, sin, ids.numpy(), unsqueeze_dim=unsqueeze_dim)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
     # NumPy too, against the float64 reference's contract on the gathered rows.
     got_q, _ = apply_rotary_pos_emb(
         q.numpy(), k.numpy(), cos.numpy(), sin.numpy(), ids.numpy(), unsqueeze_dim=unsqueeze_dim
