@@ -86,7 +86,9 @@ def to_host(array: Any) -> np.ndarray:
         # transform reads as a wrapper without storage: read it below the transforms.
         below = getattr(torch._C, "_DisableFuncTorch", contextlib.nullcontext)
         with below():
-            return array.detach().cpu().numpy()
+            # resolve_neg: an integer tensor with torch's negative bit (a view made by
+            # torch._neg_view) refuses .numpy() until its values are written out.
+            return array.detach().resolve_neg().cpu().numpy()
     if _is_cupy(array):  # pragma: no cover - needs CuPy and a GPU
         return array.get()
     if hasattr(array, "copy_to_host"):  # Numba device arrays, real or simulated

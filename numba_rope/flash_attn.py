@@ -251,6 +251,14 @@ def apply_rotary_emb_qkv_(
     interleaved, seqlen_offsets
         As for :func:`apply_rotary_emb`.
 
+    Raises
+    ------
+    TypeError
+        A torch ``qkv`` that autograd records (one that requires grad, or carries a
+        forward-mode tangent): flash-attn's function is differentiable, this in-place
+        one is not, and refuses rather than drop the gradient; rotate such q and k with
+        :func:`apply_rotary_emb` (not in place), which is.
+
     Examples
     --------
     >>> import numpy as np
@@ -319,6 +327,8 @@ def apply_rotary_emb_kv_(
 ) -> Any:
     """flash-attn's ``apply_rotary_emb_kv_``: rotate k of a packed kv buffer
     ``[batch, seqlen, 2, nheads, headdim]`` in place (v untouched); returns ``kv``.
+    A torch ``kv`` that autograd records raises ``TypeError``, as for
+    :func:`apply_rotary_emb_qkv_`.
 
     >>> import numpy as np
     >>> import numba_rope

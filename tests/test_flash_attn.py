@@ -559,3 +559,39 @@ def test_helpers_with_torch_tensors():
     x = torch.zeros(3, 4)[:, :2]
     view = _interop.add_leading_axis(x)
     assert tuple(view.shape) == (1, 3, 2) and view.data_ptr() == x.data_ptr()
+
+
+def test_integer_tensors_with_the_negative_bit_are_read_as_their_values(rng):
+    """torch's negative bit (``torch._neg_view``) on ``cu_seqlens`` and
+    ``seqlen_offsets``: their values are what the view reads (``.numpy()`` refuses such
+    a tensor until it is resolved). The oracle: the same call on the resolved tensors'
+    values as NumPy arrays, and flash-attn's arithmetic in float64."""
+    torch = pytest.importorskip("torch")
+    cu = np.concatenate([[0], np.cumsum(LENGTHS)]).astype(np.int64)
+    x = rng.standard_normal((int(cu[-1]), 2, 8)).astype(np.float32)
+    cos, sin = make_cos_sin(rng, 12, 8, np.float32)
+    per_batch = np.array([4, 100, 7, 1])
+    negated = {name: torch._neg_view(torch.from_numpy(-values)) for name, values in
+               (("cu", cu), ("offsets", per_batch))}  # fmt: skip
+    assert all(t.is_neg() for t in negated.values())
+    got = apply_rotary_emb(
+        torch.from_numpy(x),
+        torch.from_numpy(cos),
+        torch.from_numpy(sin),
+        seqlen_offsets=negated["offsets"],
+        cu_seqlens=negated["cu"],
+        max_seqlen=max(LENGTHS),
+    )
+    want = apply_rotary_emb(
+        x, cos, sin, seqlen_offsets=per_batch, cu_seqlens=cu, max_seqlen=max(LENGTHS)
+    )
+    assert_bitwise_equal(got.numpy(), want)
+    assert_results(
+        (np.asarray, np.asarray),
+        want,
+        varlen_oracle(x, cos, sin, cu, per_batch, False),
+        varlen_contract(x, cos, sin, cu, per_batch, False),
+        x,
+        cos,
+        sin,
+    )
