@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba import types
 from numba.extending import intrinsic
 
@@ -318,6 +318,12 @@ _BF16_CPUS = frozenset(
 _NAN_OR_SUBNORMAL = 0x01 | 0x20 | 0x80
 
 
+#: Whether AVX512_BF16's conversion intrinsics return ``bfloat`` vectors, as they do since
+#: LLVM 17; before (LLVM 14 and 15: numba 0.60 and 0.61), vectors of ``i16`` holding the
+#: same bits, and LLVM refuses the other type ("Intrinsic has incorrect return type!").
+_BFLOAT_RESULTS = binding.llvm_version_info >= (17,)
+
+
 class _BFloatType(ir.types._BaseFloatType):  # llvmlite has no bfloat type
     null = "0.0"
     intrinsic_name = "bf16"
@@ -451,7 +457,7 @@ def bfloat16_pair_vector_code(builder, low, high, instructions, constants=None):
     special = builder.or_(builder.call(classify, [low, test]), builder.call(classify, [high, test]))
 
     def converted():
-        narrowed = ir.VectorType(_BFloatType(), 2 * lanes)
+        narrowed = ir.VectorType(_BFloatType() if _BFLOAT_RESULTS else _I16, 2 * lanes)
         convert = module.declare_intrinsic(
             f"llvm.x86.avx512bf16.cvtne2ps2bf16.{32 * lanes}",
             fnty=ir.FunctionType(narrowed, [low.type, high.type]),
