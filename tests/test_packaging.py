@@ -165,3 +165,21 @@ def test_typing_check_good_calls_run():
     x = np.ones((1, 1, 2, 4), np.float32)
     y = typing_check.gpu_arrays_keep_their_type(x, cos, sin, 3)
     assert type(y) is np.ndarray and y.dtype == np.float32
+
+
+def test_ci_tests_the_oldest_versions_the_package_allows():
+    """The lower bounds of the dependencies are the versions .ci/run's last step installs
+    (numba 0.60 brings LLVM 14, whose intrinsics differ from today's: AVX512_BF16's
+    conversion once failed to compile there), and that step runs the kernels' tests."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    step = ci.split("# The oldest versions pyproject.toml allows", 1)[1]
+    bounds = dict(
+        re.fullmatch(r"([\w-]+)>=([\d.]+)", requirement).groups()
+        for requirement in pyproject()["project"]["dependencies"]
+    )
+    assert bounds == {"numba": "0.60", "numpy": "1.24", "ml_dtypes": "0.4"}
+    assert '"numba==0.60.0"' in step and '"ml_dtypes==0.4.0"' in step
+    assert "oldest_numpy=1.24.4" in step  # Python 3.11 and older
+    files = re.findall(r"tests/\S+\.py", step)
+    assert {"tests/test_rotary.py", "tests/test_targets.py"} <= set(files)
+    assert all((ROOT / name).is_file() for name in files), files

@@ -24,6 +24,9 @@ import subprocess
 import sys
 
 import pytest
+from llvmlite import binding
+
+LLVM_VERSION = binding.llvm_version_info
 
 # A CPU name, or a name and the features numba is told (NUMBA_CPU_FEATURES): as a
 # hypervisor that hides AVX512_BF16, AVX512-FP16 and AMX from an Emerald Rapids guest
@@ -151,6 +154,10 @@ def test_kernels_compiled_for_other_x86_cpus_contain_no_fma(tmp_path, cpu):
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )
+    if done.returncode and "is not a recognized processor" in done.stderr:
+        # numba's oldest supported versions (0.60: LLVM 14) predate znver4 and
+        # emeraldrapids; the code for such a CPU is then the code for its features.
+        pytest.skip(f"LLVM {LLVM_VERSION} does not know the CPU {name!r}")
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     print(cpu, report)  # the vector registers each target uses (pytest -s shows them)
@@ -158,7 +165,11 @@ def test_kernels_compiled_for_other_x86_cpus_contain_no_fma(tmp_path, cpu):
         assert counts["fma"] == 0, f"{cpu} {variant}: fused multiply-add in the kernel"
         if "streaming" in variant:
             assert counts["nontemporal"] > 0, f"{cpu} {variant}: no non-temporal store"
-        if variant.endswith("streaming steps"):
+        if variant.endswith("streaming steps") and LLVM_VERSION >= (20,):
+            # LLVM 14 and 15 (numba 0.60, 0.61) sink the last store of each half of a row
+            # of 64 float32 pairs, alike on its two paths (on and off a 64-byte line),
+            # into one and drop its !nontemporal: an ordinary store there (slower, the
+            # same bits).
             assert counts["ordinary stores"] == 0, f"{cpu} {variant}: ordinary stores"
         if not variant.startswith("cos/sin"):  # scalar double-double code
             assert counts["ymm"] + counts["zmm"] > 0, f"{cpu} {variant}: not vectorized"
