@@ -368,7 +368,8 @@ def rotary_embedding_qk(
         splits k.
     out_q, out_k : array, optional
         Destinations (may be ``q`` and ``k`` themselves, e.g. views of one fused qkv
-        buffer rotated in place). They must not share memory with each other.
+        buffer rotated in place). They must not share memory with each other
+        (``ValueError``, on the CPU and the GPU).
     cos_cache, sin_cache, position_ids, interleaved, rotary_embedding_dim, layout, \
 position_offset, inverse, stream, check_position_ids
         As for :func:`rotary_embedding`.

@@ -134,11 +134,13 @@ def test_3d_errors(rng):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("per_batch", [False, True], ids=["int", "array"])
-def test_position_offset_equals_the_ids_it_stands_for(rng, device, dtype, per_batch):
+@pytest.mark.parametrize("kind", ["int", "array", "0-d array"])
+def test_position_offset_equals_the_ids_it_stands_for(rng, device, dtype, kind):
+    """An int, a [batch] array, or a 0-d array (on the GPU a 0-d device array, read
+    back: it has no int())."""
     on, off = device
     x, cos, sin, _ = make_case(rng, (3, 2, 4, 8), dtype, n_positions=12)
-    offset = np.array([0, 5, 8]) if per_batch else 6
+    offset = {"int": 6, "array": np.array([0, 5, 8]), "0-d array": np.array(6)}[kind]
     ids = np.asarray(offset).reshape(-1, 1) + np.arange(4)
     ids = np.broadcast_to(ids, (3, 4)).copy()
     got = off(numba_rope.rotary_embedding(on(x), on(cos), on(sin), position_offset=on(offset)))

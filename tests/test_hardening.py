@@ -277,6 +277,40 @@ def test_qk_with_one_array_as_both_outputs_is_refused(rng, device):
     assert_bitwise_equal(off(dq), q)  # not rotated, once or twice
 
 
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("kind", ["out_k inside out_q", "q and k overlap, in place"])
+def test_qk_outputs_that_share_some_elements_are_refused(rng, device, kind):
+    """Outputs that share memory without being one view: on the GPU too (it once took
+    only the very same view for shared outputs), and exactly: views of one fused qkv
+    buffer, whose byte ranges interleave, are still rotated (the oracle: the float32
+    contract of each tensor)."""
+    _, cos, sin, ids = make_case(rng, (1, 3, 4, 8), np.float32)
+    host = rng.standard_normal((1, 3, 4, 8)).astype(np.float32)
+    if kind == "out_k inside out_q":
+        base, q, k = device.views(host, host[:, 0:2], host[:, 2:3])
+        outputs = device.on(np.zeros((1, 2, 4, 8), np.float32))
+        out_q, out_k = outputs, outputs[:, :1]
+    else:
+        base, q, k = device.views(host, host[:, 0:2], host[:, 1:2])
+        outputs, out_q, out_k = base, q, k
+    before, outputs_before = device.off(base).copy(), device.off(outputs).copy()
+    with pytest.raises(ValueError, match="out_q and out_k share memory"):
+        numba_rope.rotary_embedding_qk(
+            q, k, device.on(cos), device.on(sin), device.on(ids), out_q=out_q, out_k=out_k
+        )
+    assert_bitwise_equal(device.off(base), before)
+    assert_bitwise_equal(device.off(outputs), outputs_before)
+    # Heads of one buffer side by side, in place: apart, rotated.
+    fresh = host.copy()  # on the CPU the views are the host arrays themselves
+    base, q, k = device.views(fresh, fresh[:, 0:2], fresh[:, 2:3])
+    numba_rope.rotary_embedding_qk(
+        q, k, device.on(cos), device.on(sin), device.on(ids), out_q=q, out_k=k
+    )
+    got = device.off(base)
+    assert_bitwise_equal(got[:, 0:2], float32_contract(host[:, 0:2], cos, sin, ids))
+    assert_bitwise_equal(got[:, 2:3], float32_contract(host[:, 2:3], cos, sin, ids))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["zero stride", "half-overlapping rows"])
 def test_gpu_outputs_with_overlapping_elements_are_refused(rng, gpu, kind):

@@ -204,7 +204,7 @@ class CudaBackend:
             if positions is not None and not isinstance(positions, (int, np.integer)):
                 others.append(positions)
             in_place = [_same_view(x, out) for x, out in pairs]
-            if len(pairs) == 2 and _same_view(pairs[0][1], pairs[1][1]):
+            if len(pairs) == 2 and _views_share(pairs[0][1], pairs[1][1]):
                 raise shared_outputs_error()
             # Rotating in place leaves the pass-through channels alone, except when
             # unchecked positions may be bad: their rows come out NaN, every channel.
@@ -278,7 +278,10 @@ class CudaBackend:
                     raise position_error(flat, tuple(position_ids.shape), value, n_positions)
             return view
         if call.positions == "offset":
-            return kernel_offset(int(position_offset), seq_len, n_positions, check)
+            offset = position_offset  # an int, or a 0-d array (CuPy, torch: int() reads it)
+            if hasattr(offset, "copy_to_host"):  # a 0-d Numba device array has no int()
+                offset = offset.copy_to_host()
+            return kernel_offset(int(offset), seq_len, n_positions, check)
         if call.positions == "offsets":
             view = self.view(position_offset)
             if check and seq_len:
@@ -370,6 +373,30 @@ def _same_view(a: Any, b: Any) -> bool:
 
 def _views_intersect(a: Any, b: Any) -> bool:
     return spans_meet(byte_extent(a), byte_extent(b))
+
+
+def _views_share(a: Any, b: Any) -> bool:
+    """Whether two numba views share a byte, exactly, as the CPU backend tells its
+    outputs apart: their byte ranges first; where those meet (views of one fused
+    buffer), NumPy's test on host arrays of the same geometry at the same addresses
+    (:class:`_Geometry`: ``np.shares_memory`` only computes with the addresses)."""
+    if not _views_intersect(a, b):
+        return False
+    return bool(np.shares_memory(np.asarray(_Geometry(a)), np.asarray(_Geometry(b))))
+
+
+class _Geometry:
+    """The NumPy array interface of a numba view's shape, strides and address, for
+    :func:`_views_share`: an array over it is never read (it is device memory)."""
+
+    def __init__(self, view: Any) -> None:
+        self.__array_interface__ = {
+            "shape": tuple(view.shape),
+            "strides": tuple(view.strides),
+            "typestr": f"|V{view.dtype.itemsize}",
+            "data": (_pointer(view), True),
+            "version": 3,
+        }
 
 
 def _max_blocks() -> int:
