@@ -27,7 +27,13 @@ from numba_rope._cuda.kernels import (
     first_bad_position_cuda,
     rope_kernel,
 )
-from numba_rope._geometry import bhsd_geometry, byte_span, elements_distinct, spans_meet
+from numba_rope._geometry import (
+    bhsd_geometry,
+    byte_span,
+    elements_distinct,
+    spans_meet,
+    token_rows_apart,
+)
 from numba_rope._validation import (
     Call,
     check_one_gpu,
@@ -376,11 +382,17 @@ def _views_intersect(a: Any, b: Any) -> bool:
 
 
 def _views_share(a: Any, b: Any) -> bool:
-    """Whether two numba views share a byte, exactly, as the CPU backend tells its
-    outputs apart: their byte ranges first; where those meet (views of one fused
-    buffer), NumPy's test on host arrays of the same geometry at the same addresses
-    (:class:`_Geometry`: ``np.shares_memory`` only computes with the addresses)."""
+    """Whether two BHSD numba views share a byte, exactly, as the CPU backend tells its
+    outputs apart: their byte ranges; where those meet, their rows (views of one fused
+    qkv buffer, :func:`token_rows_apart`); where that cannot tell, NumPy's exact test on
+    host arrays of the same geometry at the same addresses (:class:`_Geometry`:
+    ``np.shares_memory`` only computes with the addresses)."""
     if not _views_intersect(a, b):
+        return False
+    itemsize = a.dtype.itemsize
+    if b.dtype.itemsize == itemsize and token_rows_apart(
+        _pointer(a), a.shape, a.strides, _pointer(b), b.shape, b.strides, itemsize
+    ):
         return False
     return bool(np.shares_memory(np.asarray(_Geometry(a)), np.asarray(_Geometry(b))))
 
