@@ -16,6 +16,7 @@ only, which run for a caller who passed a tensor: it is already imported then.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -75,17 +76,23 @@ def transformed(tensor: Any) -> bool:
     return wrapped is not None and bool(wrapped(tensor))
 
 
+def below_transforms() -> Any:
+    """A context in which the ``torch.func`` transforms running now are switched off
+    (``torch._C._DisableFuncTorch``; a no-op where torch has none): a tensor they do
+    not transform (a constant to them, read as a wrapper without storage) reads as
+    itself there."""
+    import torch
+
+    return getattr(torch._C, "_DisableFuncTorch", contextlib.nullcontext)()
+
+
 def numpy_view(tensor: Any) -> Any:
     """``tensor.numpy()``; a tensor that a ``torch.func`` transform running now does
-    not transform (a constant to it, read as a wrapper without storage) is read below
-    the transforms."""
+    not transform is read below the transforms (:func:`below_transforms`)."""
     try:
         return tensor.numpy()
     except RuntimeError:
-        import torch
-
-        below = getattr(torch._C, "_DisableFuncTorch", None)
-        if below is None or transformed(tensor):
+        if transformed(tensor):
             raise
-        with below():
+        with below_transforms():
             return tensor.numpy()

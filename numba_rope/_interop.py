@@ -11,10 +11,12 @@ numba_rope accepts, without importing a library the caller did not use:
 
 from __future__ import annotations
 
-import contextlib
+import warnings
 from typing import Any
 
 import numpy as np
+
+from numba_rope._autograd import below_transforms
 
 
 def _module(array: Any) -> str:
@@ -84,8 +86,7 @@ def to_host(array: Any) -> np.ndarray:
             )
         # Under a torch.func transform (vmap, grad, jvp) even a tensor it does not
         # transform reads as a wrapper without storage: read it below the transforms.
-        below = getattr(torch._C, "_DisableFuncTorch", contextlib.nullcontext)
-        with below():
+        with below_transforms():
             # resolve_neg: an integer tensor with torch's negative bit (a view made by
             # torch._neg_view) refuses .numpy() until its values are written out.
             return array.detach().resolve_neg().cpu().numpy()
@@ -115,7 +116,11 @@ def like(host: np.ndarray, reference: Any) -> Any:
     if _is_torch(reference):
         import torch
 
-        return torch.as_tensor(host, device=reference.device)
+        with warnings.catch_warnings():
+            # A read-only array (np.broadcast_to) is only read: torch warns that it
+            # cannot guard it against writes.
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            return torch.as_tensor(host, device=reference.device)
     if _is_cupy(reference):  # pragma: no cover - needs CuPy and a GPU
         import cupy
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from numba_rope._halves import first_half
+from numba_rope._interop import like
 from numba_rope.rotary import rotary_embedding_qk
 
 __all__ = ["apply_rotary_pos_emb"]
@@ -165,9 +166,7 @@ def apply_rotary_pos_emb(
             )
         numba_rope.torch.check_caches(cos, sin)  # (gradients for q and k only)
         if ids is not None and not _is_torch(ids):
-            # through numba_rope.torch's reading of NumPy arrays: a read-only one (the
-            # broadcast row above) without torch's warning that it cannot guard it
-            ids = numba_rope.torch.as_tensor_like(ids, q)
+            ids = like(ids, q)  # (a read-only broadcast row too, without torch's warning)
         # The op checks the halves, halves the caches and broadcasts a one-row table over
         # the batch where the data are real (under torch.compile too); it is
         # differentiable with respect to q and k (recorded_qk_op records either mode).

@@ -519,10 +519,9 @@ def recorded_qk_op(*inputs: Any) -> tuple[Tensor, Tensor]:
 # -- the public functions ---------------------------------------------------------------
 
 
-def as_tensor_like(array: Any, like: Tensor) -> Any:
+def _tensor(array: Any, like: Tensor) -> Any:
     """A NumPy cache or position array as a tensor on ``like``'s device (a view of its
-    memory on the CPU, a copy on a GPU); tensors and None as they are. Also used by
-    :mod:`numba_rope.huggingface` for NumPy position ids."""
+    memory on the CPU, a copy on a GPU); tensors and None as they are."""
     if array is None or isinstance(array, Tensor):
         return array
     if isinstance(array, np.ndarray):
@@ -559,7 +558,7 @@ def _offsets(position_offset: Any, like: Tensor) -> tuple[int | None, Tensor | N
     if isinstance(position_offset, Tensor):
         return None, position_offset
     if isinstance(position_offset, np.ndarray):
-        return None, as_tensor_like(position_offset, like)
+        return None, _tensor(position_offset, like)
     if isinstance(position_offset, (bool, np.bool_)) or not isinstance(
         position_offset, (int, np.integer)
     ):
@@ -619,14 +618,14 @@ def rotary_embedding(
     True
     """
     _check_inputs(("input", input))
-    cos, sin = as_tensor_like(cos_cache, input), as_tensor_like(sin_cache, input)
+    cos, sin = _tensor(cos_cache, input), _tensor(sin_cache, input)
     check_caches(cos, sin)
     offset, offsets = _offsets(position_offset, input)
     return recorded_op(
         input,
         cos,
         sin,
-        as_tensor_like(position_ids, input),
+        _tensor(position_ids, input),
         offset,
         offsets,
         interleaved,
@@ -672,7 +671,7 @@ def rotary_embedding_qk(
     (torch.Size([2, 3, 4, 8]), torch.Size([2, 3, 2, 8]))
     """
     _check_inputs(("q", q), ("k", k))
-    cos, sin = as_tensor_like(cos_cache, q), as_tensor_like(sin_cache, q)
+    cos, sin = _tensor(cos_cache, q), _tensor(sin_cache, q)
     check_caches(cos, sin)
     offset, offsets = _offsets(position_offset, q)
     return recorded_qk_op(
@@ -680,7 +679,7 @@ def rotary_embedding_qk(
         k,
         cos,
         sin,
-        as_tensor_like(position_ids, q),
+        _tensor(position_ids, q),
         offset,
         offsets,
         interleaved,
