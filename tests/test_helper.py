@@ -232,6 +232,7 @@ def test_the_helper_takes_chunks_and_the_bits_do_not_change(rng, monkeypatch):
     expected = float32_contract(x, cos, sin, ids)
     out = np.empty_like(x)
     block = helper.helper().block
+    before = int(block[relay.FINISHED])  # counted over the process's jobs, never reset
     shared = 0
     deadline = time.monotonic() + 10
     while shared == 0 and time.monotonic() < deadline:
@@ -242,8 +243,10 @@ def test_the_helper_takes_chunks_and_the_bits_do_not_change(rng, monkeypatch):
         block[relay.MISSES] = 0
         numba_rope.rotary_embedding(x, cos, sin, ids, out=out)
         assert_bitwise_equal(out, expected)
-        shared = int(block[relay.FINISHED])  # chunks the helper ran in that call
+        shared = int(block[relay.FINISHED]) - before  # chunks the helper ran in this test
     assert shared > 0
+    # Between jobs the helper has finished every chunk it claimed, and no other.
+    assert block[relay.FINISHED] == block[relay.HANDED]
     assert any(t.name == "numba_rope helper" for t in threading.enumerate())
     assert block[relay.STATE] == relay.SERVING and block[relay.OWNER] == 0
 
@@ -252,10 +255,10 @@ def test_the_helper_takes_chunks_and_the_bits_do_not_change(rng, monkeypatch):
 def _claims_across_a_new_job(block):
     """A helper's claims with the CLAIM words it could have read around the
     publication of a job of 8 chunks after one of 2 (no runner is called)."""
-    relay.publish(block, 0, 2)
-    for _ in range(3):  # the caller takes the last job's chunks, and one past its end
+    relay.publish(block, 0, 2)  # the caller has chunk 0
+    for _ in range(3):  # the caller takes the last job's other chunk, and past its end
         relay.claim_own(block)
-    stale = relay.atomic_load(block, relay.CLAIM)  # the caller's count at 3, of the last job
+    stale = relay.atomic_load(block, relay.CLAIM)  # the caller's count at 4, of the last job
     relay.prepare(block, 0, 8)  # with the new job's CHUNKS (8) the stale word leaves chunks
     closed = relay.atomic_load(block, relay.CLAIM)
     prepared = (relay.try_claim(block, stale), relay.try_claim(block, closed))
@@ -270,15 +273,51 @@ def test_a_claim_word_of_the_last_job_claims_nothing_of_the_next():
     # chunk more taken. A word read during the last job (no chunk left of it) must
     # claim nothing of the next job once that job's CHUNKS are larger: publishing
     # closes the old word (new generation, caller's count full) before it writes
-    # CHUNKS, then opens it with no chunk taken. When CHUNKS changed first, a helper
+    # CHUNKS, then opens it with the caller's chunk 0 taken. When CHUNKS changed first, a helper
     # between the two ran a chunk of the new job that the job handed out again
     # (rotated twice in place) and counted it as finished.
     block = np.zeros(relay.BLOCK_SLOTS, np.int64)
     prepared, opened, fresh, caller = _claims_across_a_new_job(block)
     assert prepared == (-1, -1)  # neither the stale word nor the closed one
     assert opened == (-1, -1)
-    assert (fresh, caller) == (7, 0)  # the open job: its last chunk, then its first
+    assert (fresh, caller) == (7, 1)  # the open job: its last chunk, then the caller's next
     assert block[relay.CHUNKS] == 8 and block[relay.FINISHED] == 0
+
+
+@numba.njit
+def _stale_claims_of_smaller_jobs(block, first, then):
+    """Claims the helper could make with the words of a job of ``first`` chunks, read
+    after the caller had taken all of them, during and after the publication of a job
+    of ``then`` chunks (no more than ``first``: its claims are not closed first)."""
+    relay.publish(block, 0, first)  # the caller has chunk 0
+    stale = np.empty(first + 1, np.int64)
+    for i in range(first):  # each word the caller sees, as run_job claims its chunks
+        stale[i] = relay.atomic_load(block, relay.CLAIM)
+        relay.claim_own(block)
+    stale[first] = relay.atomic_load(block, relay.CLAIM)  # as the caller finished
+    taken = np.empty(2 * stale.size, np.int64)
+    relay.prepare(block, 0, then)
+    for i in range(stale.size):
+        taken[i] = relay.try_claim(block, stale[i])
+    relay.open_claims(block)
+    for i in range(stale.size):
+        taken[stale.size + i] = relay.try_claim(block, stale[i])
+    return stale, taken, relay.try_claim(block, relay.atomic_load(block, relay.CLAIM))
+
+
+@pytest.mark.parametrize(("first", "then"), [(2, 2), (8, 8), (8, 2), (3, 1)])
+def test_a_job_of_no_more_chunks_needs_no_closing(first, then):
+    # Publishing a job of no more chunks than the last leaves the last word in CLAIM
+    # until it opens the new one (one write of the line the helper spins on, instead
+    # of two). Only the word the caller left at the end of the last job is there
+    # then, and it leaves no chunk of the new one; once opened, no old word matches.
+    block = np.zeros(relay.BLOCK_SLOTS, np.int64)
+    stale, taken, fresh = _stale_claims_of_smaller_jobs(block, first, then)
+    ended = stale[-1]  # the last job's word as its caller finished
+    assert (ended & relay.CHUNK_MASK) + ((ended >> relay.TAKEN_SHIFT) & relay.CHUNK_MASK) > first
+    assert taken[stale.size - 1] == -1  # the ended word, with the new job prepared
+    assert (taken[stale.size :] == -1).all()  # every old word, once the job is open
+    assert fresh == (then - 1 if then > 1 else -1)  # the open job's last chunk
 
 
 @numba.njit
@@ -307,13 +346,15 @@ def test_the_caller_claims_from_the_front_and_the_helper_from_the_back(rng, n_ch
     orders += [rng.integers(0, 2, n_chunks + 2) for _ in range(20)]
     for turns in orders:
         claimed = _claims_in_turns(block, n_chunks, turns)
-        caller = claimed[(turns == 0) & (claimed >= 0)]
+        # chunk 0 is the caller's as it publishes the job, its claims go on from 1
+        caller = np.concatenate(([0], claimed[(turns == 0) & (claimed >= 0)]))
         helper = claimed[(turns == 1) & (claimed >= 0)]
         assert np.array_equal(caller, np.arange(caller.size))
         assert np.array_equal(helper, n_chunks - 1 - np.arange(helper.size))
         assert caller.size + helper.size == n_chunks  # all taken, none twice
         taken = np.flatnonzero(claimed >= 0)
-        assert (claimed[taken[-1] + 1 :] == -1).all()  # nothing after the last one
+        after = taken[-1] + 1 if taken.size else 0  # (a job of one chunk has no claims)
+        assert (claimed[after:] == -1).all()  # nothing after the last one
 
 
 def test_jobs_shared_with_the_helper_have_at_most_the_chunks_its_claims_count(monkeypatch):

@@ -780,7 +780,7 @@ def run_job(x, k, cos, sin, positions, out, out_k, rotary_dim, tile, n_groups, n
         return
     relay.publish(block, runner, n_chunks)
     own = 0
-    chunk = relay.claim_own(block)
+    chunk = 0  # taken as the job opened
     while chunk < n_chunks:
         relay.call_runner(runner, block, chunk)
         own += 1

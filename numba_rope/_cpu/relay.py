@@ -13,29 +13,39 @@ for a thread that has not started on it. Every element
 is computed by the same code whichever thread takes its chunk, so the result does not
 depend on the split.
 
-The control block is an int64 array of :data:`BLOCK_SLOTS` slots, its counters on
-cache lines of their own:
+The control block is an int64 array of :data:`BLOCK_SLOTS` slots. Its cache lines (8
+slots) are laid out by who writes them, so that a job moves as few lines between the
+two cores as it can (a line the other core has read must be taken back from it before
+it is written: a round trip of 0.30-0.35 us between the two cores of the Intel VM of
+docs/performance.md, "Thirty-second session"):
 
-* ``CLAIM``: the job's generation (bits 32 and up), the chunks the helper has taken
-  (bits 16 to 31) and the next chunk the caller takes (bits 0 to 15). The caller takes
-  chunks from the front with an atomic add; the helper from the back, with a
-  compare-and-swap of the whole word, so that a helper that read an old job's word
-  claims nothing of a new one (a new job closes the old word before it says how many
+* ``CLAIM`` (a line of its own, written by both): the job's generation (bits 32 and
+  up), the chunks the helper has taken (bits 16 to 31) and the next chunk the caller
+  takes (bits 0 to 15). The caller takes chunks from the front with an atomic add (the
+  first one as it opens the job); the helper from the back, with a compare-and-swap of
+  the whole word, so that a helper that read an old job's word claims nothing of a new
+  one (a job of more chunks than the last closes the old word before it says how many
   chunks it has: see :func:`prepare`). From both ends, each thread rotates the same
   rows call after call while both keep pace (a decode step's input and output stay in
   the cache of the core that rotated them last: in the order of claims, they went to
   either core by chance).
-* ``FINISHED``: chunks the helper has finished in this generation.
-* ``OWNER`` (1 while a caller runs a job: a second caller runs alone), ``RUNNER`` (the
-  address of the compiled function that runs a chunk of this job's kind, see
-  :func:`numba_rope._cpu.kernels.make_runner`), ``CHUNKS``, ``GENERATION``, and
-  ``MISSES``/``SKIPPED`` (see :func:`worth_sharing`).
+* ``FINISHED`` (a line of its own, written by the helper only): the chunks the helper
+  has finished, counted over all jobs, never reset.
+* written by the callers only: ``OWNER`` (1 while a caller runs a job: a second caller
+  runs alone), ``GENERATION``, ``SKIPPED`` (see :func:`worth_sharing`) and
+  ``HANDED``, the chunks the helper has claimed over all jobs (the count ``FINISHED``
+  reaches when the helper is done with them).
+* read by the helper, written by callers only when the value changes (a decode loop's
+  jobs are alike): ``RUNNER`` (the address of the compiled function that runs a chunk
+  of this job's kind, see :func:`numba_rope._cpu.kernels.make_runner`), ``CHUNKS``,
+  ``MISSES`` (see :func:`worth_sharing`) and ``SLEEP_UNIT``.
 * ``STATE``, ``STOP``, ``SPINS``: whether the helper serves, the request to stop it,
   and how many turns it spins without work before it sleeps.
 * ``SLEEPING``, ``TIMESPEC``, ``SYSCALL``, ``FUTEX``: on Linux the helper sleeps on a
   futex (``SLEEPING`` = 1) and the call that publishes a job wakes it; elsewhere it
   sleeps in short steps and joins the calls that find it awake.
-* from ``ARGUMENTS`` on: the job's arrays (address, shape, strides) and integers.
+* from ``ARGUMENTS`` on: the job's arrays (address, shape, strides) and integers,
+  written only where they differ from the last job's (see :func:`put`).
 
 Everything here is a numba intrinsic (the atomics, a pause, calls through function
 addresses, arrays over addresses) or a function over them; :func:`serve` is the
@@ -55,25 +65,26 @@ from numba.np.arrayobj import populate_array
 
 from numba_rope._jit import cached_njit
 
-#: Slots of the control block (int64). Counters written by both threads sit on cache
-#: lines (8 slots) of their own.
+#: Slots of the control block (int64), in cache lines (8 slots) by who writes them (see
+#: the module's documentation).
 CLAIM = 0
 FINISHED = 8
 OWNER = 16
-RUNNER = 17
-CHUNKS = 18
-GENERATION = 19
-MISSES = 20  # jobs in a row the helper took no chunk of
-SKIPPED = 21  # calls run alone since then
-SLEEP_UNIT = 22  # microseconds per unit of the sleep function's argument
-STATE = 24
-STOP = 25
-SPINS = 26
-SLEEPING = 27
-TIMESPEC = 28  # and 29: the helper's longest sleep, a struct timespec (Linux)
-SYSCALL = 30  # address of the C library's ``syscall`` (Linux), else 0
-FUTEX = 31  # the futex system call's number on this machine
-ARGUMENTS = 32
+GENERATION = 17
+SKIPPED = 18  # calls run alone since MISSES reached MISSES_BEFORE_ALONE
+HANDED = 19
+RUNNER = 24
+CHUNKS = 25
+MISSES = 26  # jobs in a row the helper took no chunk of
+SLEEP_UNIT = 27  # microseconds per unit of the sleep function's argument
+STATE = 32
+STOP = 33
+SPINS = 34
+SLEEPING = 35
+TIMESPEC = 36  # and 37: the helper's longest sleep, a struct timespec (Linux)
+SYSCALL = 38  # address of the C library's ``syscall`` (Linux), else 0
+FUTEX = 39  # the futex system call's number on this machine
+ARGUMENTS = 40
 BLOCK_SLOTS = 128
 
 #: ``CLAIM`` holds the generation from bit ``GENERATION_SHIFT`` on, the chunks the
@@ -269,13 +280,22 @@ def array_at(typingctx, block, slot, like):
 
 
 @cached_njit(inline="always")
+def put(block, slot, value):
+    """``block[slot] = value`` where it holds another value: a slot the helper has
+    read keeps its cache line shared between the cores until a value changes (the
+    caller need not take the line back, the helper need not read it again)."""
+    if block[slot] != value:
+        block[slot] = value
+
+
+@cached_njit(inline="always")
 def store_array(block, slot, array):
-    """Write ``array``'s address, shape and strides into ``block`` from ``slot`` on;
-    return the next free slot."""
-    block[slot] = array.ctypes.data
+    """Write ``array``'s address, shape and strides into ``block`` from ``slot`` on
+    (:func:`put`); return the next free slot."""
+    put(block, slot, array.ctypes.data)
     for i in range(array.ndim):
-        block[slot + 1 + i] = array.shape[i]
-        block[slot + 1 + array.ndim + i] = array.strides[i]
+        put(block, slot + 1 + i, array.shape[i])
+        put(block, slot + 1 + array.ndim + i, array.strides[i])
     return slot + 1 + 2 * array.ndim
 
 
@@ -289,10 +309,10 @@ def store_job(block, x, out, cos, sin, positions, rotary_dim, tile, n_groups, n_
     store_array(block, COS_AT, cos)
     store_array(block, SIN_AT, sin)
     store_positions(block, POSITIONS_AT, positions)
-    block[ROTARY_DIM_AT] = rotary_dim
-    block[TILE_AT] = tile
-    block[GROUPS_AT] = n_groups
-    block[UNITS_AT] = n_units
+    put(block, ROTARY_DIM_AT, rotary_dim)
+    put(block, TILE_AT, tile)
+    put(block, GROUPS_AT, n_groups)
+    put(block, UNITS_AT, n_units)
 
 
 @cached_njit(inline="always")
@@ -303,27 +323,33 @@ def take_ownership(block):
 
 @cached_njit(inline="always")
 def prepare(block, runner, n_chunks):
-    """The first half of :func:`publish`: close the claims of the last job, then name
-    this job's runner and chunks. Closed first: a helper that read the last job's
-    ``CLAIM`` word (no chunk left of that job) and then this job's larger
+    """The first half of :func:`publish`: a new generation, and this job's runner and
+    chunks where they differ from the last job's, the claims of the last job closed
+    first when this job has more chunks. Closed first: a helper that read the last
+    job's ``CLAIM`` word (no chunk left of that job) and then this job's larger
     ``CHUNKS`` would otherwise still swap that word and run a chunk of this job that
     the job then hands out again (rotated twice, in place) and count it in
     ``FINISHED`` (the caller could return before the helper's real chunk is written).
     Closed, the word is of the new generation with the caller's count full: no swap
-    of an older word matches it, and it leaves no chunk of any job."""
+    of an older word matches it, and it leaves no chunk of any job. With as many
+    chunks as the last job or fewer, the last job's words leave no chunk (the caller
+    claimed past the helper's count before it finished), so none is closed."""
     generation = block[GENERATION] + 1
     block[GENERATION] = generation
-    atomic_store(block, CLAIM, (generation << GENERATION_SHIFT) | CHUNK_MASK)
-    atomic_store(block, FINISHED, 0)
-    atomic_store(block, RUNNER, runner)
-    atomic_store(block, CHUNKS, n_chunks)
+    if n_chunks > block[CHUNKS]:
+        atomic_store(block, CLAIM, (generation << GENERATION_SHIFT) | CHUNK_MASK)
+    if block[RUNNER] != runner:
+        atomic_store(block, RUNNER, runner)
+    if block[CHUNKS] != n_chunks:
+        atomic_store(block, CHUNKS, n_chunks)
 
 
 @cached_njit(inline="always")
 def open_claims(block):
-    """The second half of :func:`publish`: chunk 0 of the prepared job may be claimed,
-    and a sleeping helper is woken."""
-    atomic_store(block, CLAIM, block[GENERATION] << GENERATION_SHIFT)
+    """The second half of :func:`publish`: the prepared job's chunks may be claimed,
+    chunk 0 taken by the caller as it opens them (one write of ``CLAIM`` less), and a
+    sleeping helper is woken."""
+    atomic_store(block, CLAIM, (block[GENERATION] << GENERATION_SHIFT) | 1)
     if atomic_load(block, SLEEPING) != 0:  # after CLAIM: see serve()
         wake(block)
 
@@ -331,8 +357,9 @@ def open_claims(block):
 @cached_njit(inline="always")
 def publish(block, runner, n_chunks):
     """Publish a job of ``n_chunks`` chunks whose arguments are in the block, run by
-    the function at ``runner``: a new generation whose first chunk is 0
-    (:func:`prepare`, then :func:`open_claims`)."""
+    the function at ``runner``: a new generation whose chunk 0 is the caller's
+    (:func:`prepare`, then :func:`open_claims`); the caller's next claims
+    (:func:`claim_own`) go on from chunk 1."""
     prepare(block, runner, n_chunks)
     open_claims(block)
 
@@ -384,14 +411,16 @@ def try_claim(block, word):
 @cached_njit(inline="always")
 def finish(block, n_chunks, own):
     """Wait until the helper has finished the chunks it claimed (the caller ran
-    ``own``), count the job as a miss if it claimed none, then release the block to
-    the next caller."""
-    while atomic_load(block, FINISHED) < n_chunks - own:
+    ``own``; ``FINISHED`` reaches ``HANDED``), count the job as a miss if it claimed
+    none, then release the block to the next caller."""
+    handed = block[HANDED] + n_chunks - own
+    block[HANDED] = handed
+    while atomic_load(block, FINISHED) < handed:
         pause()
     if own == n_chunks:
         block[MISSES] += 1
     else:
-        block[MISSES] = 0
+        put(block, MISSES, 0)
         block[SKIPPED] = 0
     atomic_store(block, OWNER, 0)
 
@@ -458,7 +487,7 @@ def _store_positions_overload(block, slot, positions):
     if isinstance(positions, types.Integer):
 
         def store_offset(block, slot, positions):
-            block[slot] = positions
+            put(block, slot, positions)
 
         return store_offset
     return lambda block, slot, positions: store_array(block, slot, positions) and None
