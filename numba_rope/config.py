@@ -37,6 +37,14 @@ HELPER_SPIN_MICROSECONDS: int = 1000
 #: evens out the load when a core is shared.
 CHUNKS_PER_THREAD: int = 4
 
+#: Number of chunks per thread of a call shared with the helper thread (the caller and
+#: the helper take them one at a time). Each claim moves a cache line between the
+#: cores, and a thread that finishes first waits for the other's last chunk (fewer,
+#: larger chunks: a helper slowed by another process holds more of the call). On the
+#: 2-core Intel AVX-512 VM a decode step (64, 32, 1, 128) took 0.93-0.99x the time with
+#: 2 against 4, and 0.93-0.975x with 1 (docs/performance.md, "Thirty-second session").
+HELPER_CHUNKS_PER_THREAD: int = 2
+
 #: Tokens per tile of the CPU kernels: a unit of work is one sequence's tile of tokens
 #: over all its heads (or a group of them). Inputs whose heads lie outside tokens in
 #: memory (``bhsd``) are rotated head by head over the tile: long tiles give each head
@@ -86,6 +94,7 @@ CUDA_MAX_BLOCKS: int = 65535
 _RANGES: dict[str, tuple[int, int | None]] = {
     "PARALLEL_MIN_ELEMENTS": (0, None),
     "CHUNKS_PER_THREAD": (1, None),
+    "HELPER_CHUNKS_PER_THREAD": (1, None),
     "HELPER_MIN_ELEMENTS": (0, None),
     "HELPER_SPIN_MICROSECONDS": (0, None),
     "TOKENS_PER_TILE": (1, None),

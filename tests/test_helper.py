@@ -359,7 +359,9 @@ def test_the_caller_claims_from_the_front_and_the_helper_from_the_back(rng, n_ch
 
 def test_jobs_shared_with_the_helper_have_at_most_the_chunks_its_claims_count(monkeypatch):
     # The claims count chunks in 16-bit fields: a job never has more than MAX_CHUNKS,
-    # whatever CHUNKS_PER_THREAD asks; numba's parallel regions are not held to it.
+    # whatever HELPER_CHUNKS_PER_THREAD asks; numba's parallel regions (of
+    # CHUNKS_PER_THREAD) are not held to it.
+    monkeypatch.setattr(config, "HELPER_CHUNKS_PER_THREAD", 10**6)
     monkeypatch.setattr(config, "CHUNKS_PER_THREAD", 10**6)
     assert cpu_backend.work_split(10**6, 32, 1, True, 2)[2] == relay.MAX_CHUNKS
     assert cpu_backend.work_split(10**6, 32, 1, True)[2] > relay.MAX_CHUNKS

@@ -603,7 +603,7 @@ def test_compiled_plans_of_the_helpers_size_share_while_the_helper_is_usable(
     x, cos, sin, ids = make_case(rng, (2, 4, 3, 8), dtype, n_positions=12)
     k = rng.standard_normal((2, 2, 3, 8)).astype(dtype)
     monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", x.size)
-    monkeypatch.setattr(config, "CHUNKS_PER_THREAD", 4)  # several chunks to share
+    monkeypatch.setattr(config, "HELPER_CHUNKS_PER_THREAD", 4)  # several chunks to share
     shared_runs = []
 
     class Counted:  # a dispatcher whose compiled entry points count their calls

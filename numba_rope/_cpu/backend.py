@@ -377,11 +377,11 @@ def work_split(
     """``(tile, n_groups, n_chunks)`` for an input of this logical shape.
 
     Tiles of ``config.TOKENS_PER_TILE`` tokens; on one thread one group of all heads.
-    In parallel, ``n_chunks`` = threads (numba's, unless ``threads`` is given: 2 for
-    the caller and the helper thread, with at most ``relay.MAX_CHUNKS`` chunks) x
-    ``config.CHUNKS_PER_THREAD`` chunks of units, and heads are split into groups only
-    when there are fewer (batch, tile) units than chunks (e.g. one long decode step
-    with many heads). ``token_major`` (the kernels
+    In parallel, ``n_chunks`` = numba's threads x ``config.CHUNKS_PER_THREAD`` chunks
+    of units, or where ``threads`` is given (2 for the caller and the helper thread)
+    ``threads`` x ``config.HELPER_CHUNKS_PER_THREAD``, at most ``relay.MAX_CHUNKS``;
+    heads are split into groups only when there are fewer (batch, tile) units than
+    chunks (e.g. one long decode step with many heads). ``token_major`` (the kernels
     that take a unit token by token, see :func:`token_major`): tiles short enough that
     each chunk gets whole tokens (consecutive memory) rather than a group of heads.
     """
@@ -391,7 +391,7 @@ def work_split(
     if threads is None:
         n_chunks = max(1, numba.get_num_threads() * config.CHUNKS_PER_THREAD)
     else:  # shared with the helper thread: at most what its claims can count
-        n_chunks = max(1, min(threads * config.CHUNKS_PER_THREAD, MAX_CHUNKS))
+        n_chunks = max(1, min(threads * config.HELPER_CHUNKS_PER_THREAD, MAX_CHUNKS))
     if token_major and seq_len > 1:
         tiles_per_sequence = -(-n_chunks // max(batch, 1))
         tile = max(1, min(tile, -(-seq_len // tiles_per_sequence)))
@@ -695,7 +695,7 @@ def make_plan(
 
     def relay_split() -> tuple[int, int, int]:
         # work_split for the caller and the helper, remembered for the constants it reads.
-        constants = (config.TOKENS_PER_TILE, config.CHUNKS_PER_THREAD)
+        constants = (config.TOKENS_PER_TILE, config.HELPER_CHUNKS_PER_THREAD)
         found = splits.get(constants)
         if found is None:
             found = splits[constants] = work_split(batch, heads, seq_len, True, 2, by_token)
