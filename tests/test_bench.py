@@ -811,3 +811,20 @@ def test_off_line_row_writes_where_numpy_puts_large_arrays(dtype):
         out = prepared.output()
         assert out.ctypes.data % 64 == offset
         assert_bitwise_equal(out, want)
+
+
+def test_numba_rope_rows_are_timed_after_their_compiled_plans_are_made():
+    # The eighth repeat of a small NumPy call makes its compiled plan (a load from
+    # numba's cache: milliseconds), the ninth its helper-sharing entry: both before
+    # the timed calls, or two of 30 single calls are those loads (the row's p95).
+    from numba_rope._cpu import backend as cpu_backend
+    from numba_rope.bench.runner import Settings, warmup_calls
+
+    rows = bench.implementations("cpu", 2)
+    for row in rows:
+        warm = warmup_calls(Settings(), row)
+        if row.name.startswith("numba_rope"):
+            assert warm >= cpu_backend.FAST_AFTER + 2
+        else:
+            assert warm == Settings().warmup  # peers as before
+        assert warmup_calls(Settings.quick(), row) == Settings.quick().warmup

@@ -262,7 +262,7 @@ def measure(
         prepared.call,
         -(-settings.repeats // rounds),
         batch_seconds=settings.batch_seconds if batched else 0.0,
-        warmup=settings.warmup,
+        warmup=warmup_calls(settings, implementation),
         budget_seconds=settings.budget_seconds / rounds,
         between=prepared.reset,
     )
@@ -282,6 +282,31 @@ def measure(
     ):
         result.probe = probe_slow_row(prepared, case, floor_s)
     return result
+
+
+#: Untimed calls before a numba_rope row's samples (outside ``bench --quick``): a small
+#: NumPy call of one signature runs by its compiled plan from its ninth repeat on,
+#: made (or loaded from numba's cache) by the eighth, which took 3.6-4.7 ms on the
+#: 2-core Intel VM, and its helper-sharing entry by the ninth (a second load): two of
+#: the 30 single calls of ``--single-calls`` (its p95) before this warm-up
+#: (docs/performance.md, "Thirty-second session").
+PLAN_WARMUP = 12
+
+
+def warmup_calls(settings: Settings, implementation: Implementation) -> int:
+    """Untimed calls before an implementation's samples: ``settings.warmup``, and for
+    numba_rope's rows at least :data:`PLAN_WARMUP` unless the settings are a smoke
+    test's (``--quick``, whose few calls are not made to compile plans).
+
+    >>> rope, peer = implementations("cpu", 2)[3], implementations("cpu", 2)[7]
+    >>> rope.name, warmup_calls(Settings(), rope), warmup_calls(Settings(), peer)
+    ('numba_rope', 12, 2)
+    >>> warmup_calls(Settings.quick(), rope)
+    1
+    """
+    if implementation.name.startswith("numba_rope") and not settings.smoke:
+        return max(settings.warmup, PLAN_WARMUP)
+    return settings.warmup
 
 
 #: A numba_rope row slower than this many copy floors is probed: the usual rows of
