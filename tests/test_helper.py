@@ -376,6 +376,7 @@ def test_jobs_of_more_chunks_after_fewer_rotate_each_chunk_once(rng, monkeypatch
     if os.cpu_count() == 1:
         pytest.skip("one core: the helper may never run while the caller does")
     monkeypatch.setattr(config, "HELPER_SPIN_MICROSECONDS", 10**5)
+    monkeypatch.setattr(config, "HELPER_CHUNKS_PER_THREAD", 4)  # the split the race had
     cos, sin = numba_rope.rope_cache(8192, 16)
     small = rng.standard_normal((1, 2, 4096, 16)).astype(np.float32)  # 2 chunks
     small_out = np.empty_like(small)
@@ -386,6 +387,13 @@ def test_jobs_of_more_chunks_after_fewer_rotate_each_chunk_once(rng, monkeypatch
     for _ in range(4000):
         block[relay.MISSES] = 0  # publish, loaded or not (see the test above)
         numba_rope.rotary_embedding(small, cos, sin, position_offset=3, out=small_out)
+        work[...] = x
+        block[relay.MISSES] = 0
+        numba_rope.rotary_embedding(work, cos, sin, position_offset=5, out=work)
+        assert_bitwise_equal(work, want)
+    # Jobs of as many chunks as the last are published without closing the last
+    # job's claims first (relay.prepare): in place, call after call, each chunk once.
+    for _ in range(2000):
         work[...] = x
         block[relay.MISSES] = 0
         numba_rope.rotary_embedding(work, cos, sin, position_offset=5, out=work)
