@@ -227,8 +227,8 @@ def test_memmap_is_an_ndarray_like_any_other(rng, tmp_path):
 @pytest.mark.parametrize(
     ("name", "value"),
     [("TOKENS_PER_TILE", 0), ("TOKENS_PER_TILE", -4), ("CHUNKS_PER_THREAD", 0),
-     ("HELPER_CHUNKS_PER_THREAD", 0), ("CUDA_THREADS_PER_BLOCK", 2048), ("CUDA_HEADS_PER_THREAD", 1.0),
-     ("PARALLEL_MIN_ELEMENTS", -1), ("STREAMING_MIN_BYTES", None), ("CUDA_MAX_BLOCKS", True)],
+     ("HELPER_CHUNKS_PER_THREAD", 0), ("CUDA_THREADS_PER_BLOCK", 2048),
+     ("CUDA_HEADS_PER_THREAD", 1.0), ("PARALLEL_MIN_ELEMENTS", -1), ("STREAMING_MIN_BYTES", None), ("CUDA_MAX_BLOCKS", True)],
 )  # fmt: skip
 def test_tuning_constants_are_checked_when_set(rng, name, value):
     x, cos, sin, ids = make_case(rng, (2, 3, 4, 8), np.float32)
