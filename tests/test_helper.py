@@ -367,6 +367,18 @@ def test_jobs_shared_with_the_helper_have_at_most_the_chunks_its_claims_count(mo
     assert cpu_backend.work_split(10**6, 32, 1, True)[2] > relay.MAX_CHUNKS
 
 
+def test_jobs_shared_with_the_helper_are_cut_by_their_own_constant(monkeypatch):
+    # HELPER_CHUNKS_PER_THREAD cuts the calls shared with the helper (the caller and
+    # the helper: 2 threads), CHUNKS_PER_THREAD numba's parallel regions.
+    monkeypatch.setattr(config, "HELPER_CHUNKS_PER_THREAD", 3)
+    monkeypatch.setattr(config, "CHUNKS_PER_THREAD", 5)
+    monkeypatch.setattr(numba, "get_num_threads", lambda: 2)
+    assert cpu_backend.work_split(64, 32, 1, True, 2)[2] == 6
+    assert cpu_backend.work_split(64, 32, 1, True)[2] == 10
+    monkeypatch.setattr(config, "HELPER_CHUNKS_PER_THREAD", 1)
+    assert cpu_backend.work_split(64, 32, 1, True, 2)[2] == 2
+
+
 def test_jobs_of_more_chunks_after_fewer_rotate_each_chunk_once(rng, monkeypatch):
     # The pattern of the race above, run for real: a job of 2 chunks, then one of 8
     # in place, alternately (separate in-place k and q calls of a GQA prefill). A
