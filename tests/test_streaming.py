@@ -187,6 +187,22 @@ def test_streamed_rows_with_float32_caches_and_no_position_ids(rng, stream_alway
     assert all(_streamed(stream_always))
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_streamed_16_bit_rows_with_float32_caches_off_a_line(rng, stream_always, interleaved):
+    # 16-bit rows with float32 caches take the element steps (bfloat16 too: words need
+    # bfloat16 caches), whose edges off a line store 16 bytes; their bfloat16 results
+    # stay in registers for the non-temporal store (test_targets.py checks the code).
+    for dtype, offset in itertools.product((np.float16, BFLOAT16), (16, 48)):
+        shape = (2, 3, 5, 128)
+        x, cos, sin, ids = make_case(rng, shape, dtype, cache_dtype=np.float32)
+        want = float32_contract(x, cos, sin, ids, interleaved)
+        out = aligned(shape, dtype, offset)
+        numba_rope.rotary_embedding(x, cos, sin, ids, out=out, interleaved=interleaved)
+        assert_bitwise_equal(out, want)
+    assert len(stream_always) == 4
+    assert all(_streamed(stream_always))
+
+
 def test_streamed_special_values(stream_always):
     # NaN, infinities, overflow and signaling NaNs through the vector conversions.
     values = np.array([np.nan, np.inf, -np.inf, 1.0, 0.0, -2.5, 3e38, np.inf], np.float64)

@@ -95,12 +95,21 @@ for dtype, words, streaming, token_major, interleaved in variants:
 from numba import njit
 from numba_rope._cpu.vector import vector_pairs
 
+# (vpmov*: a truncating store, vcvtps2ph / vcvtneps2bf16: a conversion into memory)
 ordinary_store = re.compile(
-    r"^\s+v(mov(?!nt)\w*|extract\w*)\s+(\$\d+, )?%[xyz]mm\d+, (-?\d*\((?!%rsp)[^)]*\))", re.M
+    r"^\s+v(mov(?!nt)\w*|extract\w*|pmov\w+|cvtps2ph\w*|cvtneps2bf16\w*)\s+"
+    r"(\$\d+, )?%[xyz]mm\d+, (-?\d*\((?!%rsp)[^)]*\))",
+    re.M,
 )
-for dtype, words in (("float32", False), ("float16", False), ("bfloat16", True)):
+# bfloat16 with float32 caches: rows of elements, not words (a 16-bit cache only).
+for dtype, words, cache in (
+    ("float32", False, None), ("float16", False, None), ("bfloat16", True, None),
+    ("float16", False, "float32"), ("bfloat16", False, "float32"),
+):  # fmt: skip
     for interleaved in (False, True):
         x, cos, sin, ids = make_arrays(np.random.default_rng(0), (1, 1, 1, 128), dtype)
+        if cache is not None:
+            cos, sin = cos.astype(cache), sin.astype(cache)
         storage = storage_dtype(x.dtype)
         view = (lambda a: a) if storage is None else (lambda a: a.view(storage))
 
@@ -119,7 +128,9 @@ for dtype, words in (("float32", False), ("float16", False), ("bfloat16", True))
         steps_signature = tuple(__import__("numba").typeof(a) for a in rows)
         steps.compile(steps_signature)
         asm = steps.inspect_asm(steps_signature)
-        report[dtype + (" interleaved" if interleaved else "") + " streaming steps"] = {
+        caches = "" if cache is None else f" ({cache} caches)"
+        name = dtype + caches + (" interleaved" if interleaved else "") + " streaming steps"
+        report[name] = {
             **counts(asm), "ordinary stores": len(ordinary_store.findall(asm))
         }
 # rope_cache's cos/sin: double-double arithmetic (Dekker's split and products), which a
@@ -185,14 +196,16 @@ def test_kernels_compiled_for_other_x86_cpus_contain_no_fma(tmp_path, cpu):
         # bfloat16 results are narrowed by AVX512_BF16's instruction where the target has
         # it, behind a class test per vector (NaN and subnormal lanes take the integer
         # code); nowhere else.
-        converts = variant.startswith("bfloat16") and cpu in AVX512_BF16
+        # (bfloat16 rows with float32 caches are elements, not words: the integer code)
+        bfloat16_words = variant.startswith("bfloat16") and "float32 caches" not in variant
+        converts = bfloat16_words and cpu in AVX512_BF16
         assert (counts["bf16"] > 0) == converts, f"{cpu} {variant}: {counts['bf16']} vcvtne2ps2bf16"
         assert counts["fpclass"] >= counts["bf16"], f"{cpu} {variant}: conversion without test"
         # bfloat16 words on AVX-512 without AVX512_BF16 (see pair_constants): rounded
         # with a bit test into a mask register, merged with a shift and vpternlogd,
         # not with the word permutation LLVM makes of constants it sees.
         # AVX512_BF16's results are permuted (vpermt2w).
-        if variant.startswith("bfloat16") and cpu in AVX512 - AVX512_BF16:
+        if bfloat16_words and cpu in AVX512 - AVX512_BF16:
             assert counts["vpermt2w"] == 0, f"{cpu} {variant}: vpermt2w"
             assert counts["vpternlogd"] > 0, f"{cpu} {variant}: no vpternlogd"
             assert counts["vptestmd"] > 0, f"{cpu} {variant}: no vptestmd"

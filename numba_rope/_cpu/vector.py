@@ -177,6 +177,16 @@ class _Stream:
         if nontemporal and numba_type == types.uint16 and self.float16_arithmetic:
             return float16_integer_code(self.builder, value)
         narrowed = narrow_code(self.builder, numba_type, value)
+        if nontemporal and numba_type == types.int16:
+            # bfloat16 elements (rows with float32 caches; the words have their own
+            # code): on AVX-512 LLVM folds the final truncation into a truncating store
+            # (vpmovdw to memory), an ordinary store, in the 16-byte steps at a row's
+            # edges off a 64-byte line. Ordinary and non-temporal stores into the same
+            # lines took a bfloat16 prefill (1, 32, 4096, 128) with float32 caches, its
+            # output 16 bytes past a line, 83 ms against 5 on a line, one thread
+            # (docs/performance.md, "Thirty-third session"). Kept in registers, the
+            # same bits.
+            return self.in_registers(narrowed)
         if numba_type == types.uint16 and not nontemporal and self.float16_in_register:
             return self.in_registers(narrowed)
         return narrowed
