@@ -18,7 +18,9 @@ to nearest even, into the element type of a given array. Both are resolved at co
 time from the argument types, so a kernel is written once for all formats.
 
 Where the CPU has AVX512_BF16, the kernels' vector loops narrow bfloat16 with its
-instruction (:func:`bfloat16_pair_vector_code`), the same bits.
+instructions (:func:`bfloat16_pair_vector_code` for the words of rows with bfloat16
+caches, :func:`bfloat16_vector_code` for the elements of rows with float32 caches),
+the same bits.
 
 NaN stays NaN and infinities stay infinite. The payload of a NaN is not preserved
 bit for bit: bfloat16 NaNs become the canonical quiet NaN of their sign, as
@@ -473,6 +475,48 @@ def bfloat16_pair_vector_code(builder, low, high, instructions, constants=None):
         special,
         converted,
         lambda: bfloat16_pair_code(builder, low, high, constants=constants),
+    )
+
+
+def bfloat16_vector_code(builder, value, instructions):
+    """:func:`narrow_code` of a vector of 8, 16 or 32 float32 lanes into bfloat16
+    elements (``int16`` storage, the lanes in their order); with ``instructions`` (see
+    :func:`has_bfloat16_instructions`) by AVX512_BF16's conversion for vectors without
+    NaN or subnormal lanes (``vcvtneps2bf16``; ``vcvtne2ps2bf16`` for 32 lanes), the
+    same bits as the integer code, which the other vectors take, out of line: the
+    element rows of bfloat16 with float32 caches (the words, for bfloat16 caches, have
+    :func:`bfloat16_pair_vector_code`)."""
+    lanes = value.type.count
+    if not instructions or lanes not in (8, 16, 32):
+        return _float32_to_bfloat16(builder, value)
+    module = builder.module
+    piece = min(lanes, 16)
+    pieces = [
+        _lanes_of(builder, value, list(range(first, first + piece)))
+        for first in range(0, lanes, piece)
+    ]  # (a 16-lane vector is its own piece: the shuffle of every lane folds away)
+    classify = module.declare_intrinsic(
+        f"llvm.x86.avx512.fpclass.ps.{32 * piece}",
+        fnty=ir.FunctionType(ir.VectorType(ir.IntType(1), piece), [pieces[0].type, _I32]),
+    )
+    test = ir.Constant(_I32, _NAN_OR_SUBNORMAL)
+    flags = [builder.call(classify, [p, test]) for p in pieces]
+    special = flags[0] if len(flags) == 1 else builder.or_(flags[0], flags[1])
+
+    def converted():
+        narrowed = ir.VectorType(_BFloatType() if _BFLOAT_RESULTS else _I16, lanes)
+        if lanes == 32:  # the second operand's lanes come first
+            name, operands = "cvtne2ps2bf16.512", [pieces[1], pieces[0]]
+        else:
+            name, operands = f"cvtneps2bf16.{32 * lanes}", [value]
+        convert = module.declare_intrinsic(
+            f"llvm.x86.avx512bf16.{name}",
+            fnty=ir.FunctionType(narrowed, [operand.type for operand in operands]),
+        )
+        return builder.bitcast(builder.call(convert, operands), ir.VectorType(_I16, lanes))
+
+    return _usual_unless_any(
+        builder, special, converted, lambda: _float32_to_bfloat16(builder, value)
     )
 
 

@@ -22,6 +22,7 @@ from numba_rope._conversions import (
     bfloat16_low,
     bfloat16_pair,
     bfloat16_pair_vector_code,
+    bfloat16_vector_code,
     float16_integer_code,
     has_avx512,
     has_bfloat16_instructions,
@@ -331,6 +332,59 @@ def test_float16_integer_conversion_rounds_like_numpy(rng, lanes):
         want = values.astype(np.float16)
     np.testing.assert_array_equal(bits(got.view(np.float16)), bits(want))
     assert np.array_equal(np.isnan(got.view(np.float16)), np.isnan(values))
+
+
+@pytest.mark.parametrize("lanes", [8, 16, 32])
+@pytest.mark.parametrize(
+    "instructions",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                not _HOST_HAS_BFLOAT16_INSTRUCTIONS, reason="this CPU has no AVX512_BF16"
+            ),
+        ),
+    ],
+    ids=["integers", "avx512-bf16"],
+)
+def test_bfloat16_element_vectors_round_like_one_element(rng, lanes, instructions):
+    # The element rows' vectors (bfloat16 with float32 caches), with AVX512_BF16's
+    # conversion where the CPU has it: vectors of normal numbers, zeros and infinities
+    # take it; a vector with one NaN or subnormal lane, anywhere (either 16-lane half
+    # of 32 lanes), the integer code. Every path gives the oracle's bits, ties,
+    # overflow to infinity and the canonical quiet NaN of each sign included.
+    values = np.concatenate(
+        [_interesting_float32(rng), np.array(QUIET_NANS, np.uint32).view(np.float32)]
+    )
+    magnitude = values.view(np.uint32) & 0x7FFFFFFF
+    special = np.isnan(values) | ((magnitude > 0) & (magnitude < 0x00800000))
+    ordinary, rare = values[~special], rng.permutation(values[special])
+    vectors = ordinary.size // lanes
+    with_one_special = ordinary[: vectors * lanes].reshape(vectors, lanes).copy()
+    with_one_special[np.arange(vectors), rng.integers(0, lanes, vectors)] = np.resize(rare, vectors)
+    run = _narrower(
+        lanes, lambda context, builder, vector: bfloat16_vector_code(builder, vector, instructions)
+    )
+    cases = {
+        "mixed": rng.permutation(values),
+        "ordinary": ordinary,
+        "one special lane": with_one_special.ravel(),
+    }
+    for case, source in cases.items():
+        source = np.ascontiguousarray(source[: source.size // lanes * lanes])
+        got = np.empty(source.size, BFLOAT16_STORAGE)
+        run(source, got)
+        with np.errstate(all="ignore"):
+            want = source.astype(BFLOAT16)
+        np.testing.assert_array_equal(bits(got.view(BFLOAT16)), bits(want), err_msg=case)
+        nan = np.isnan(source)
+        sign = (source[nan].view(np.uint32) >> 31).astype(np.uint16)
+        np.testing.assert_array_equal(got.view(np.uint16)[nan], 0x7FC0 | (sign << 15), case)
+    asm = run.inspect_asm(run.signatures[0])
+    converts = "vcvtne2ps2bf16" if lanes == 32 else "vcvtneps2bf16"
+    assert (converts in asm) == instructions
+    assert ("vfpclassps" in asm) == instructions
 
 
 def _stream_narrower(lanes):

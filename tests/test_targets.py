@@ -4,9 +4,10 @@ runs), their machine code has no fused multiply-add, which would round once wher
 contract rounds twice; nor has ``rope_cache``'s cos/sin, whose double-double arithmetic
 depends on it. The vector registers each target's code uses are reported, and the
 hand-written vector steps must use the full 512 bits on the AVX-512 targets; bfloat16
-results are narrowed with AVX512_BF16's instruction on the targets that have it (znver4,
-sapphirerapids) only, not on an Emerald Rapids whose hypervisor hides it and
-AVX512-FP16, whose instructions appear on no target without it; the streaming
+results (words, and the elements of rows with float32 caches) are narrowed with
+AVX512_BF16's instructions on the targets that have it (znver4, sapphirerapids) only,
+not on an Emerald Rapids whose hypervisor hides it and AVX512-FP16, whose
+instructions appear on no target without it; the streaming
 vector steps store every result non-temporally (sapphirerapids, whose AVX512-FP16
 changes how LLVM handles float16 vectors, included); and float16 results for ordinary
 stores are converted into registers, never into memory, on every target but
@@ -58,7 +59,8 @@ def counts(asm):  # the instructions the assertions below look for, in one kerne
         "fma": len(re.findall(r"\bv?f(n?m(add|sub)|madd|msub)\w*", asm)),
         "zmm": asm.count("%zmm"), "ymm": asm.count("%ymm"), "xmm": asm.count("%xmm"),
         "nontemporal": len(re.findall(r"\bv?movnt", asm)),
-        "bf16": asm.count("vcvtne2ps2bf16"), "fpclass": asm.count("vfpclassps"),
+        "bf16": asm.count("vcvtne2ps2bf16"), "bf16 elements": asm.count("vcvtneps2bf16"),
+        "fpclass": asm.count("vfpclassps"),
         "vpermt2w": asm.count("vpermt2w"), "vpternlogd": asm.count("vpternlogd"),
         "vptestmd": len(re.findall(r"\bvptestn?md\b", asm)),
         "fp16": len(FP16.findall(asm)),
@@ -101,10 +103,12 @@ ordinary_store = re.compile(
     r"(\$\d+, )?%[xyz]mm\d+, (-?\d*\((?!%rsp)[^)]*\))",
     re.M,
 )
-# bfloat16 with float32 caches: rows of elements, not words (a 16-bit cache only).
-for dtype, words, cache in (
-    ("float32", False, None), ("float16", False, None), ("bfloat16", True, None),
-    ("float16", False, "float32"), ("bfloat16", False, "float32"),
+# bfloat16 with float32 caches: rows of elements, not words (a 16-bit cache only), also
+# with ordinary stores (a decode step's).
+for dtype, words, cache, streaming in (
+    ("float32", False, None, True), ("float16", False, None, True),
+    ("bfloat16", True, None, True), ("float16", False, "float32", True),
+    ("bfloat16", False, "float32", True), ("bfloat16", False, "float32", False),
 ):  # fmt: skip
     for interleaved in (False, True):
         x, cos, sin, ids = make_arrays(np.random.default_rng(0), (1, 1, 1, 128), dtype)
@@ -113,23 +117,24 @@ for dtype, words, cache in (
         storage = storage_dtype(x.dtype)
         view = (lambda a: a) if storage is None else (lambda a: a.view(storage))
 
-        def make_steps(interleaved, words):  # the options as constants
+        def make_steps(interleaved, words, streaming):  # the options as constants
             @njit
             def steps(x_row, cos_row, sin_row, out_row):
                 return vector_pairs(
-                    x_row, cos_row, sin_row, out_row, 64, 1.0, interleaved, words, True
+                    x_row, cos_row, sin_row, out_row, 64, 1.0, interleaved, words, streaming
                 )
 
             return steps
 
-        steps = make_steps(interleaved, words)
+        steps = make_steps(interleaved, words, streaming)
         rows = (view(x)[0, 0, 0], view(cos)[0], view(sin)[0], np.empty_like(view(x)[0, 0, 0]))
         # compiled, never called: this machine may lack the target's instructions
         steps_signature = tuple(__import__("numba").typeof(a) for a in rows)
         steps.compile(steps_signature)
         asm = steps.inspect_asm(steps_signature)
         caches = "" if cache is None else f" ({cache} caches)"
-        name = dtype + caches + (" interleaved" if interleaved else "") + " streaming steps"
+        name = dtype + caches + (" interleaved" if interleaved else "")
+        name += " streaming steps" if streaming else " steps"
         report[name] = {
             **counts(asm), "ordinary stores": len(ordinary_store.findall(asm))
         }
@@ -196,11 +201,15 @@ def test_kernels_compiled_for_other_x86_cpus_contain_no_fma(tmp_path, cpu):
         # bfloat16 results are narrowed by AVX512_BF16's instruction where the target has
         # it, behind a class test per vector (NaN and subnormal lanes take the integer
         # code); nowhere else.
-        # (bfloat16 rows with float32 caches are elements, not words: the integer code)
+        # bfloat16 rows with float32 caches are elements, not words: 16 lanes converted
+        # by vcvtneps2bf16, 32 (interleaved pairs) by vcvtne2ps2bf16, in their order.
         bfloat16_words = variant.startswith("bfloat16") and "float32 caches" not in variant
-        converts = bfloat16_words and cpu in AVX512_BF16
-        assert (counts["bf16"] > 0) == converts, f"{cpu} {variant}: {counts['bf16']} vcvtne2ps2bf16"
-        assert counts["fpclass"] >= counts["bf16"], f"{cpu} {variant}: conversion without test"
+        converts = variant.startswith("bfloat16") and cpu in AVX512_BF16
+        conversions = counts["bf16"] + counts["bf16 elements"]
+        assert (conversions > 0) == converts, f"{cpu} {variant}: {conversions} conversions"
+        if bfloat16_words:
+            assert counts["bf16 elements"] == 0, f"{cpu} {variant}: vcvtneps2bf16 in words"
+        assert counts["fpclass"] >= conversions, f"{cpu} {variant}: conversion without test"
         # bfloat16 words on AVX-512 without AVX512_BF16 (see pair_constants): rounded
         # with a bit test into a mask register, merged with a shift and vpternlogd,
         # not with the word permutation LLVM makes of constants it sees.

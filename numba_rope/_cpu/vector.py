@@ -31,6 +31,7 @@ from numba_rope._conversions import (
     bfloat16_high_code,
     bfloat16_low_code,
     bfloat16_pair_vector_code,
+    bfloat16_vector_code,
     float16_integer_code,
     has_avx512,
     has_bfloat16_instructions,
@@ -130,6 +131,7 @@ class _Stream:
         self.nontemporal = builder.module.add_metadata([ir.Constant(_LANE, 1)])
         self.float16_arithmetic = has_float16_arithmetic(context)
         self.avx512 = has_avx512(context)
+        self.bfloat16_instructions = has_bfloat16_instructions(context)
         self.float16_in_register = has_f16c(context) and not self.float16_arithmetic
         self.pair_constants = {}
 
@@ -173,10 +175,18 @@ class _Stream:
         decode step 0.80-0.83x the time on one thread, 0.82-0.85x on two (one-process
         A/B, docs/performance.md, "Twenty-third session"). On Intel's cores, by the
         published instruction tables, the memory form is the register form and a
-        store (not measured). The same bits."""
+        store (not measured). The same bits.
+
+        bfloat16 elements (rows with float32 caches) are narrowed by
+        :func:`~numba_rope._conversions.bfloat16_vector_code`: AVX512_BF16's conversion
+        where the target has it (a bfloat16 decode step with float32 caches 0.75x the
+        time, "Thirty-third session")."""
         if nontemporal and numba_type == types.uint16 and self.float16_arithmetic:
             return float16_integer_code(self.builder, value)
-        narrowed = narrow_code(self.builder, numba_type, value)
+        if numba_type == types.int16:  # bfloat16 elements
+            narrowed = bfloat16_vector_code(self.builder, value, self.bfloat16_instructions)
+        else:
+            narrowed = narrow_code(self.builder, numba_type, value)
         if nontemporal and numba_type == types.int16:
             # bfloat16 elements (rows with float32 caches; the words have their own
             # code): on AVX-512 LLVM folds the final truncation into a truncating store
