@@ -7,8 +7,9 @@ import importlib.util
 import subprocess
 import sys
 
+import numpy as np
 import pytest
-from oracles import assert_bitwise_equal
+from oracles import assert_bitwise_equal, float32_contract
 from test_bench import ROOT, gpu_present, subprocess_env
 
 import numba_rope
@@ -77,6 +78,16 @@ def test_asv_benchmarks_run_on_the_cpu_and_skip_cuda_without_a_gpu():
     fraction = bandwidth.track_bandwidth_fraction(*args)
     assert 0 < fraction < 100
     assert suite.Bandwidth.track_bandwidth_fraction.unit
+    caches32 = suite.TimeFloat32Caches()
+    for dtype in suite.TimeFloat32Caches.params[1]:
+        args32 = ("cpu", dtype, "seed")
+        caches32.setup(*args32)
+        _, cos, sin, ids = caches32.arguments
+        assert cos.dtype == sin.dtype == np.float32 and caches32.out.dtype != np.float32
+        caches32.time_rope_out(*args32)
+        host = caches32.case
+        want = float32_contract(host.input, cos, sin, ids, **host.options)
+        assert_bitwise_equal(caches32.out, want)
     with pytest.raises(NotImplementedError, match="host memory"):
         suite.Memory().setup("cuda", "float16", "seed")
     if not gpu_present():
