@@ -672,7 +672,7 @@ def _check_vector_steps(rng, dtype, words, interleaved, streaming, duplicated):
     # The vector steps are emitted once with the row's length as a constant for each
     # of CONSTANT_HALVES and once for any length (see vector._by_half): every length,
     # those and their neighbours, rotates the same pairs (half rounded down to 8
-    # pairs, to 16 for bfloat16 halves taken two per word) with the contract's bits,
+    # pairs, bfloat16 halves taken two per word too) with the contract's bits,
     # and leaves the rest to the element loops untouched. float32 rows, and streaming
     # float16 rows, whose output starts off a 64-byte line by 16 to 48 bytes, of a
     # line's pairs and a step's or more, are done from the first pair on a line, with
@@ -713,12 +713,11 @@ def _check_vector_steps(rng, dtype, words, interleaved, streaming, duplicated):
             )
         done = steps(view(source), cos_row, sin_row, view(out), half)
         lead = -offset % 64
-        scale = 2 if words and not interleaved else 1  # pairs a lane
         lines = not words and (dtype == np.float32 or streaming)
         if lines and lead % 16 == 0 < lead and half >= max(16, 64 // pair_bytes):
             assert done == half - half % (16 // pair_bytes), (half, offset)
         else:
-            assert done == half - half % (8 * scale), (half, offset)
+            assert done == half - half % 8, (half, offset)
         rotated = np.zeros(2 * half, bool)
         if interleaved:
             rotated[: 2 * done] = True

@@ -88,13 +88,14 @@ def _streamed(requested):
 def test_streamed_rows_give_the_contract_bits(
     rng, stream_always, dtype, head_size, rotary_dim, interleaved
 ):
-    # Pairs 16 at a time with non-temporal stores, then at most one step of 8, and
-    # those left over through the element loop (half 64 = 4 x 16; 88 = 5 x 16 + 8;
-    # 40 = 2 x 16 + 8; 28 = 16 + 8 + 4; 24 = 16 + 8; 12 = 8 + 4; 8 = 8; bfloat16 words
-    # without interleaving take 32 pairs, then 16); the channels past rotary_dim the
-    # same way (104 - 80 = 16 + 8; 60 - 48 = 8 + 4). 16-bit rows with half 12 have
-    # their second half 24 bytes in (without interleaving), and 16-bit rows of 60 or
-    # 56 elements are 120 or 112 bytes apart: those take the element loops.
+    # Pairs 16 at a time with non-temporal stores, then at most one step of 8 (half
+    # 64 = 4 x 16; 88 = 5 x 16 + 8; 40 = 2 x 16 + 8; 24 = 16 + 8; 8 = 8; bfloat16 words
+    # without interleaving take 32 pairs, then 16, then 8); the channels past
+    # rotary_dim the same way (104 - 80 = 16 + 8). Rows that would leave pairs or
+    # channels to the element loop's ordinary stores do not stream (half 28 = 16 + 8
+    # + 4, 12 = 8 + 4; 60 - 48 = 8 + 4), nor do 16-bit rows with half 12, whose
+    # second half is 24 bytes in (without interleaving), and 16-bit rows of 60 or 56
+    # elements, 120 or 112 bytes apart: those take the element loops.
     _check_streamed_rows(rng, stream_always, dtype, head_size, rotary_dim, interleaved)
 
 
@@ -104,6 +105,8 @@ def _check_streamed_rows(rng, requested, dtype, head_size, rotary_dim, interleav
         (size * dtype.itemsize) % cpu_vector.STREAM_ALIGNMENT == 0
         for size in (aligned_part, head_size)
     )
+    # and every element stored by the vector steps (see backend.streaming)
+    streams = streams and (rotary_dim // 2) % 8 == 0 and (head_size - rotary_dim) % 8 == 0
     shape = (2, 3, 5, head_size)
     x, cos, sin, ids = make_case(rng, shape, dtype, rotary_dim=rotary_dim)
     options = {"rotary_embedding_dim": rotary_dim, "interleaved": interleaved}
@@ -226,8 +229,22 @@ def test_what_streams(monkeypatch):
     assert cpu_backend.streaming(64, False, big)
     assert cpu_backend.streaming(32, False, big)  # partial: half 16 floats
     assert cpu_backend.streaming(64, True, big)
-    assert cpu_backend.streaming(4, True, big)  # interleaved: rotary 16 bytes, no second half
+    assert cpu_backend.streaming(16, True, big)  # interleaved: 8 pairs, no second half
     assert not cpu_backend.streaming(2, True, big)  # channels past rotary_dim 8 bytes in
+    # Rows whose vector steps would leave pairs or channels to the element loop's
+    # ordinary stores, into the lines streamed: 4 or 12 pairs (16 or 48 bytes, on 16),
+    # 4 channels past rotary_dim (the 60 of a row of 64, 56 rotated).
+    assert not cpu_backend.streaming(4, True, big)
+    assert not cpu_backend.streaming(24, True, big)
+    assert not cpu_backend.streaming(24, False, big)
+    wide = aligned((1, 4, 8, 68), np.float32)  # rows of 272 bytes
+    assert not cpu_backend.streaming(64, False, wide)  # 4 channels past rotary_dim
+    assert cpu_backend.streaming(48, False, wide[..., :64])  # 24 pairs, 16 channels past
+    # bfloat16 words without interleaving: 8 pairs a step too (4 words)
+    words = aligned((1, 4, 16, 80), np.int16)
+    assert cpu_backend.streaming(48, False, words, words=True)  # 24 pairs
+    assert cpu_backend.streaming(16, False, words, words=True)  # 8 pairs
+    assert not cpu_backend.streaming(24, False, words, words=True)  # 12 pairs
     assert not cpu_backend.streaming(64, False, big[:, :1, :2])  # 512 bytes: too small
     assert cpu_backend.streaming(64, False, big[:, :1, :2], big)  # q and k count together
     # Not in place: an output that is its input's elements, as the same array or another
@@ -247,7 +264,8 @@ def test_what_streams(monkeypatch):
     assert not cpu_backend.streaming(72, False, uint16[..., :72])  # second half 72 bytes in
     assert not cpu_backend.streaming(64, False, uint16[..., 1:65])  # rows start 2 bytes in
     assert not cpu_backend.streaming(8, False, uint16)  # second half 8 bytes in
-    assert cpu_backend.streaming(8, True, uint16)
+    assert cpu_backend.streaming(16, True, uint16)
+    assert not cpu_backend.streaming(8, True, uint16)  # 4 pairs
     monkeypatch.setattr(config, "STREAMING_MIN_BYTES", 1 << 30)
     assert not cpu_backend.streaming(64, False, big)
 

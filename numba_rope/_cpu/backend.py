@@ -57,7 +57,12 @@ from numba_rope._cpu.kernels import (
     serial,
 )
 from numba_rope._cpu.relay import MAX_CHUNKS
-from numba_rope._cpu.vector import STREAM_ALIGNMENT
+from numba_rope._cpu.vector import (
+    STREAM_ALIGNMENT,
+    STREAM_COPY_ELEMENTS,
+    STREAM_PAIRS,
+    STREAM_WORD_PAIRS,
+)
 from numba_rope._geometry import (
     SWAP_HEADS_AND_TOKENS,
     bhsd_array,
@@ -315,7 +320,9 @@ def kernels(
     return found
 
 
-def streaming(rotary_dim: int, interleaved: bool, *outs, inputs: tuple = ()) -> bool:
+def streaming(
+    rotary_dim: int, interleaved: bool, *outs, inputs: tuple = (), words: bool = False
+) -> bool:
     """Whether the kernels write these outputs (storage views, BHSD) with non-temporal
     stores: outputs of at least ``config.STREAMING_MIN_BYTES`` together, none of them
     the very elements of its input (``inputs``, in the order of ``outs``; in place,
@@ -323,6 +330,15 @@ def streaming(rotary_dim: int, interleaved: bool, *outs, inputs: tuple = ()) -> 
     elements, and every row starting on ``STREAM_ALIGNMENT`` bytes, so do its channels
     past ``rotary_dim`` and, for non-interleaved pairs, its second half (which the
     streaming intrinsics of :mod:`numba_rope._cpu.vector` need).
+
+    And rows whose every element the vector steps store: the rotated pairs a multiple
+    of :data:`STREAM_PAIRS` (of :data:`STREAM_WORD_PAIRS` for the non-interleaved
+    bfloat16 ``words``), the channels past ``rotary_dim`` a multiple of
+    :data:`STREAM_COPY_ELEMENTS`. What the steps leave, the element loops write with
+    ordinary stores, into the lines the steps stream: on the Intel AVX-512 VM such rows
+    took 20-40x the time of ordinary stores alone (float32 heads of 40 channels, 24
+    rotated, 77 ms against 1.9; bfloat16 heads of 80, 48 rotated, 72 against 4;
+    docs/performance.md, "Thirty-third session").
 
     Not in place: a non-temporal store is for a line the cache does not hold, and in
     place every line was just read. A (1, 4096, 4096) prefill rotated in place took
@@ -333,8 +349,13 @@ def streaming(rotary_dim: int, interleaved: bool, *outs, inputs: tuple = ()) -> 
         return False
     if any(_same_elements(x, out) for x, out in zip(inputs, outs, strict=False)):
         return False
+    pairs = rotary_dim // 2
+    if pairs % (STREAM_WORD_PAIRS if words and not interleaved else STREAM_PAIRS):
+        return False
     offset = rotary_dim if interleaved else rotary_dim // 2  # of the last aligned part
     for out in outs:
+        if (out.shape[-1] - rotary_dim) % STREAM_COPY_ELEMENTS:
+            return False
         if out.itemsize > 4 or (offset * out.itemsize) % STREAM_ALIGNMENT:
             return False
         if out.ctypes.data % STREAM_ALIGNMENT:
@@ -513,7 +534,11 @@ def launch(views: tuple, args: tuple, call: Call, check_overlap=True) -> int:
     cos, sin = packed_caches(cos, sin, size, sum(v.nbytes for v, _ in views))
     contiguous, words = row_format(*(a for pair in views for a in pair), cos, sin)
     stream = streaming(
-        call.rotary_dim, call.interleaved, *(o for _, o in views), inputs=tuple(x for x, _ in views)
+        call.rotary_dim,
+        call.interleaved,
+        *(o for _, o in views),
+        inputs=tuple(x for x, _ in views),
+        words=words,
     )
     batch, _, seq_len, _ = x.shape
     by_token = contiguous and token_major(x)

@@ -104,6 +104,14 @@ def pair_rows(typingctx, array, byte_offset, length):
 #: on the split (each lane is computed alone). ``tests/test_targets.py`` checks what
 #: haswell, skylake-avx512 and znver4 get.
 VECTOR_WIDTHS = (16, 8)
+#: Words per step of the non-interleaved bfloat16 word loop (:func:`_word_pairs_typing`,
+#: two pairs a word) and of :func:`widen_word_halves`, which lays its cache rows out by
+#: the same steps: :data:`VECTOR_WIDTHS` and a step of 4 words (8 pairs), so that rows
+#: of 8 pairs more than a multiple of 16 (``rotary_dim`` 16, 48, 80: Pythia's and
+#: StableLM's partial rotations) leave none to the element loop, whose bfloat16
+#: rounding is scalar: such rows took 2-4x the time of rows of 16 pairs more
+#: (docs/performance.md, "Thirty-third session").
+WORD_WIDTHS = (*VECTOR_WIDTHS, VECTOR_WIDTHS[-1] // 2)
 #: Pairs per row (``rotary_dim // 2``) for which :func:`vector_pairs` emits its steps a
 #: second time with the row length as a constant: 64 (heads of 128 channels: Llama,
 #: Mistral, Qwen and most models since) and 32 (heads of 64, and half of 128 rotated).
@@ -113,6 +121,16 @@ CONSTANT_HALVES = (64, 32)
 #: guarantees 16); LLVM splits a wider vector's non-temporal store into aligned 16-byte
 #: ones.
 STREAM_ALIGNMENT = 16
+
+#: The vector steps store a row's rotated pairs in multiples of this many (the narrowest
+#: of :data:`VECTOR_WIDTHS`; element rows, and the interleaved bfloat16 words), of
+#: :data:`STREAM_WORD_PAIRS` for the non-interleaved words (two pairs a word), and
+#: :func:`stream_copy` the channels past ``rotary_dim`` in multiples of
+#: :data:`STREAM_COPY_ELEMENTS`: the element loops do the rest, with ordinary stores.
+#: Rows streamed only where nothing is left (:func:`numba_rope._cpu.backend.streaming`).
+STREAM_PAIRS = VECTOR_WIDTHS[-1]
+STREAM_WORD_PAIRS = 2 * WORD_WIDTHS[-1]
+STREAM_COPY_ELEMENTS = VECTOR_WIDTHS[-1]
 
 #: Storage types the streaming loops take (float32 and the 16-bit formats).
 _STREAM_TYPES = (types.float32, types.uint16, types.int16)
@@ -602,9 +620,10 @@ def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, hal
 def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     """Rotate the first ``n`` pairs of a row of bfloat16 (caches included), ``half``
     non-interleaved pairs, two elements per 32-bit word (see
-    :mod:`numba_rope._conversions`), and return ``n``: twice
-    :data:`VECTOR_WIDTHS` pairs a step, ordinary stores. The same arithmetic per element as the element loop, a
-    quarter fewer instructions. Written in LLVM vectors rather than as a numba loop:
+    :mod:`numba_rope._conversions`), and return ``n``, ``half`` rounded down to a
+    multiple of 8: twice :data:`WORD_WIDTHS` pairs a step, ordinary or non-temporal
+    stores. The same arithmetic per element as the element loop, a quarter fewer
+    instructions. Written in LLVM vectors rather than as a numba loop:
     numba inlines every branch of :func:`numba_rope._cpu.kernels.rotate_row` before dropping the dead ones,
     and this code would cost every kernel's compilation, bfloat16 or not."""
     if not _word_typing(x_row, cos_row, sin_row, out_row):
@@ -646,7 +665,7 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
             y2 = stream.pair_words(y2_low, y2_high, instructions)
             stream.store_words(y2, out, second, lanes, nontemporal)
 
-        return stream.steps(ir.Constant(stream.intp, 0), half, step, scale=2)
+        return stream.steps(ir.Constant(stream.intp, 0), half, step, scale=2, widths=WORD_WIDTHS)
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
 
@@ -842,7 +861,9 @@ def _widening(source, wide, length, sources, halves, doubled=False):
             store(doubled, builder.add(index, index), 2 * lanes)
 
         if halves:
-            return stream.steps(ir.Constant(stream.intp, 0), length, halves_step, scale=2)
+            return stream.steps(
+                ir.Constant(stream.intp, 0), length, halves_step, scale=2, widths=WORD_WIDTHS
+            )
         return stream.steps(ir.Constant(stream.intp, 0), length, doubled_step if doubled else step)
 
     return types.intp(source, wide, length), codegen
