@@ -87,6 +87,47 @@ def test_halves_that_differ_are_refused_with_the_first_place(rng):
         apply_rotary_pos_emb(q, q, cos[..., :7], sin[..., :7])
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_halves_equal_in_value_but_not_in_bits_are_accepted(rng, kind):
+    # Halves equal bit for bit pass one comparison of their bits; halves whose only
+    # differences are +0 against -0 or NaN payloads are equal values and pass the
+    # element-wise check; any other difference is refused. Caches of 16-bit and
+    # float32 elements, also as strided views (cut from a wider array).
+    if kind == "torch":
+        pytest.importorskip("torch")
+        from test_torch import host, tensor
+
+        as_kind, values = tensor, host
+    else:
+
+        def as_kind(array):
+            return array
+
+        values = as_kind
+
+    def strided(array):
+        wider = np.concatenate([array, np.zeros_like(array)], axis=-1)
+        return as_kind(wider)[..., : array.shape[-1]]
+
+    for dtype in (np.float32, np.float16, BFLOAT16):
+        q = as_kind(rng.standard_normal((1, 2, 3, 8)).astype(dtype))
+        cos, sin = full_width_caches(rng, 1, 3, 8, dtype)
+        unsigned = np.uint16 if cos.itemsize == 2 else np.uint32
+        bits = cos.view(unsigned).copy()
+        bits[0, 0, [1, 5]] = (0, 1 << (8 * cos.itemsize - 1))  # +0 and -0
+        nans = {np.dtype(np.float16): (0x7E00, 0x7E01), BFLOAT16: (0x7FC0, 0x7FC1)}
+        bits[0, 1, [2, 6]] = nans.get(np.dtype(dtype), (0x7FC00000, 0x7FC00001))
+        by_value = bits.view(cos.dtype)
+        for caches in ((cos, sin), (by_value, sin)):
+            want, _ = apply_rotary_pos_emb(q, q, as_kind(caches[0]), as_kind(caches[1]))
+            got, _ = apply_rotary_pos_emb(q, q, strided(caches[0]), strided(caches[1]))
+            assert np.array_equal(values(want).view(unsigned), values(got).view(unsigned))
+        different = bits.copy()
+        different[0, 2, 7] ^= 1  # the last bit of one value
+        with pytest.raises(ValueError, match=r"the halves of cos differ: cos\[0, 2, 3\]"):
+            apply_rotary_pos_emb(q, q, as_kind(different.view(cos.dtype)), as_kind(sin))
+
+
 def test_bad_arguments():
     q = np.zeros((1, 2, 3, 8), np.float32)
     cos = np.ones((1, 3, 8), np.float32)
