@@ -66,8 +66,7 @@ def _caches(cos: Tensor, sin: Tensor, full_width: bool) -> tuple[Tensor, Tensor]
     return cos, sin
 
 
-@torch.library.custom_op("numba_rope::rotary_embedding", mutates_args=())
-def _rotary_op(
+def _rotary_impl(
     input: Tensor,
     cos_cache: Tensor,
     sin_cache: Tensor,
@@ -96,8 +95,10 @@ def _rotary_op(
     )
 
 
-@torch.library.custom_op("numba_rope::rotary_embedding_qk", mutates_args=())
-def _rotary_qk_op(
+_rotary_op = torch.library.custom_op("numba_rope::rotary_embedding", mutates_args=())(_rotary_impl)
+
+
+def _rotary_qk_impl(
     q: Tensor,
     k: Tensor,
     cos_cache: Tensor,
@@ -133,6 +134,11 @@ def _rotary_qk_op(
         position_offset=position_offset if position_offsets is None else position_offsets,
         inverse=inverse,
     )
+
+
+_rotary_qk_op = torch.library.custom_op("numba_rope::rotary_embedding_qk", mutates_args=())(
+    _rotary_qk_impl
+)
 
 
 @_rotary_op.register_fake
@@ -500,11 +506,44 @@ def _differentiating() -> bool:
     return any(level.key() in derivatives for level in torch._C._functorch.get_interpreter_stack())
 
 
+#: torch's counts of active dispatch and function modes (FakeTensorMode, FlopCounterMode,
+#: a user's TorchDispatchMode), private in torch; without them every call takes the op.
+_DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_FUNCTION_MODES = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+
+
+def _direct(inputs: tuple) -> bool:
+    """Whether a call that records nothing (:func:`_records` 0) may run the op's
+    implementation without torch's dispatcher, which costs about 30 µs a call on the
+    Intel VM (a CPU decode step of 64 sequences, q and k bfloat16: 57 µs through the
+    op, 27 directly; docs/performance.md, "Thirty-third session"): plain tensors (no
+    subclass, no fake tensor), nothing that requires grad where grad mode is on
+    (whatever the op's registered autograd would do, refusing caches that require
+    grad included), no tracer (torch.compile, torch.jit.trace), no torch.func
+    transform, and no dispatch or function mode that expects to see the op. The same
+    implementation, so the same results."""
+    if _DISPATCH_MODES is None or _FUNCTION_MODES is None:
+        return False
+    grad = torch.is_grad_enabled()
+    for value in inputs:
+        if isinstance(value, Tensor) and (
+            type(value) is not Tensor or (grad and value.requires_grad)
+        ):
+            return False
+    return not (
+        torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+        or torch._C._functorch.peek_interpreter_stack() is not None
+        or _DISPATCH_MODES()
+        or _FUNCTION_MODES()
+    )
+
+
 def recorded_op(*inputs: Any) -> Tensor:
     """:func:`_rotary_op` (its arguments), recording what autograd needs (above)."""
     mode = _records(inputs[0])
     if mode == 0:
-        return _rotary_op(*inputs)
+        return _rotary_impl(*inputs) if _direct(inputs) else _rotary_op(*inputs)
     return (_RotaryDual if mode == 2 else _Rotary).apply(*inputs)
 
 
@@ -512,7 +551,7 @@ def recorded_qk_op(*inputs: Any) -> tuple[Tensor, Tensor]:
     """:func:`_rotary_qk_op` (its arguments), recording what autograd needs (above)."""
     mode = _records(inputs[0], inputs[1])
     if mode == 0:
-        return _rotary_qk_op(*inputs)
+        return _rotary_qk_impl(*inputs) if _direct(inputs) else _rotary_qk_op(*inputs)
     return (_RotaryQKDual if mode == 2 else _RotaryQK).apply(*inputs)
 
 

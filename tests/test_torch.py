@@ -1183,6 +1183,70 @@ def test_inference_tensors_parameters_and_subclasses(rng):
     np.testing.assert_array_equal(got.numpy(), expected)
 
 
+def test_calls_that_record_nothing_skip_the_dispatcher_and_modes_still_see_the_op(rng, monkeypatch):
+    """A call with nothing to record (grad off, or nothing requiring grad) runs the op's
+    implementation directly (torch's dispatcher cost about 30 µs a call); the op's
+    bits either way. Under a dispatch mode (fake tensors, torch.export, a user's
+    TorchDispatchMode) or with something to record, the op is called as before."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, cos, sin = case(rng, np.float32)
+    k = rng.standard_normal((2, 1, 5, 8)).astype(np.float32)
+    want = reference.rotary_embedding(x, cos, sin, position_offset=2, precision="contract")
+    want_k = reference.rotary_embedding(k, cos, sin, position_offset=2, precision="contract")
+    tx, tk, tc, ts = (tensor(a) for a in (x, k, cos, sin))
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def calls(seen):
+        return [name for name in seen.ops if name.startswith("numba_rope.")]
+
+    seen = Seen()
+    with seen:
+        y = numba_rope.torch.rotary_embedding(tx, tc, ts, position_offset=2)
+        yq, yk = numba_rope.torch.rotary_embedding_qk(tx, tk, tc, ts, position_offset=2)
+    assert calls(seen) == [
+        "numba_rope.rotary_embedding.default",
+        "numba_rope.rotary_embedding_qk.default",
+    ]
+    for got, expected in ((y, want), (yq, want), (yk, want_k)):
+        np.testing.assert_array_equal(got.numpy(), expected)
+
+    def refuse(*args):
+        raise AssertionError("the op was called")
+
+    monkeypatch.setattr(numba_rope.torch, "_rotary_op", refuse)
+    monkeypatch.setattr(numba_rope.torch, "_rotary_qk_op", refuse)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            y = numba_rope.torch.rotary_embedding(tx, tc, ts, position_offset=2)
+            yq, yk = numba_rope.torch.rotary_embedding_qk(tx, tk, tc, ts, position_offset=2)
+        for got, expected in ((y, want), (yq, want), (yk, want_k)):
+            assert not got.requires_grad
+            np.testing.assert_array_equal(got.numpy(), expected)
+    with pytest.raises(AssertionError, match="the op was called"), Seen():
+        numba_rope.torch.rotary_embedding(tx, tc, ts, position_offset=2)
+    # Anything that requires grad, in grad mode, goes to the op (with its autograd; the
+    # public functions refuse such caches before, torch.ops and adapters may not).
+    graded = ts.clone().requires_grad_()
+    assert numba_rope.torch._direct((tx, tk, tc, ts, None, 2))
+    assert not numba_rope.torch._direct((tx, tk, tc, graded, None, 2))
+    with torch.no_grad():
+        assert numba_rope.torch._direct((tx, tk, tc, graded, None, 2))
+
+    class Mine(torch.Tensor):
+        pass
+
+    assert not numba_rope.torch._direct((tx.as_subclass(Mine), tc, ts))
+
+
 def test_read_only_numpy_caches_and_positions(rng):
     """Read-only NumPy caches and positions (``np.broadcast_to`` views, a read-only
     memmap, ``rope_cache``'s arrays made immutable) are only read: they are taken as
