@@ -65,6 +65,44 @@ def add_leading_axis(array: Any) -> Any:
     )
 
 
+#: torch's integer dtypes, by name (torch is not imported here).
+_TORCH_INTEGERS = frozenset(
+    f"torch.{name}" for name in "int8 int16 int32 int64 uint8 uint16 uint32 uint64".split()
+)
+
+
+def host_tensor(array: Any) -> bool:
+    """Whether ``array`` is a plain torch tensor in CPU memory: ``torch.Tensor`` itself
+    (no subclass), not a ``torch.func`` transform's wrapper, without torch's negative
+    bit. False for anything else (torch is imported only for a torch object)."""
+    if not _is_torch(array):
+        return False
+    import torch
+
+    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return (
+        type(array) is torch.Tensor
+        and array.device.type == "cpu"
+        and not array.is_neg()
+        and wrapped is not None
+        and not wrapped(array)
+    )
+
+
+def host_integers(array: Any) -> bool:
+    """Whether ``array`` is an integer array in host memory that the CPU operator reads
+    as it is: a NumPy array of kind ``i`` or ``u``, or a :func:`host_tensor` of an
+    integer dtype.
+
+    >>> import numpy as np
+    >>> host_integers(np.arange(3)), host_integers(np.ones(3)), host_integers([1, 2])
+    (True, False, False)
+    """
+    if type(array) is np.ndarray:
+        return array.dtype.kind in "iu"
+    return host_tensor(array) and str(array.dtype) in _TORCH_INTEGERS
+
+
 def to_host(array: Any) -> np.ndarray:
     """``array`` as a NumPy array (a copy to the host for GPU arrays: the call waits for
     the GPU's work on it). Python ints, lists and NumPy scalars pass through

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from numba_rope._autograd import forward_ad_active, tangent, transformed
-from numba_rope._interop import add_leading_axis, like, to_host
+from numba_rope._interop import add_leading_axis, host_integers, host_tensor, like, to_host
 from numba_rope.rotary import rotary_embedding, rotary_embedding_qk
 
 __all__ = [
@@ -190,14 +190,16 @@ def apply_rotary(
 
 def _operator_checks(x: Any, seqlen_offsets: Any) -> bool:
     """Whether one call of the operator can check ``seqlen_offsets`` in place of
-    :func:`_checked_offsets`: NumPy arrays (the CPU operator checks every position
-    before it writes) and an ``int`` or an integer NumPy array of offsets (the forms
-    the operator takes as they are). :func:`_checked_offsets` then runs only to word
-    an error the operator raised, as flash-attn's names it."""
-    return type(x) is np.ndarray and (
-        type(seqlen_offsets) is int
-        or (type(seqlen_offsets) is np.ndarray and seqlen_offsets.dtype.kind in "iu")
-    )
+    :func:`_checked_offsets`: host memory (NumPy arrays and plain torch CPU tensors:
+    the CPU operator checks every position before it writes) and an ``int`` or an
+    integer NumPy array or torch CPU tensor of offsets (the forms the operator takes as
+    they are, see :func:`~numba_rope._interop.host_integers`). :func:`_checked_offsets`
+    then runs only to word an error the operator raised, as flash-attn's names it.
+    Its loop over the batch had cost a torch decode step of 64 sequences about 17 µs
+    (docs/performance.md, "Thirty-third session")."""
+    if type(x) is not np.ndarray and not host_tensor(x):
+        return False
+    return type(seqlen_offsets) is int or host_integers(seqlen_offsets)
 
 
 def _records_autograd(x: Any) -> bool:

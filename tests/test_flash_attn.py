@@ -411,6 +411,53 @@ def test_bad_varlen_calls_raise_and_write_nothing(rng, keywords, error, words):
     assert_bitwise_equal(x, before)
 
 
+@pytest.mark.parametrize("offset_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("form", ["apply_rotary_emb", "apply_rotary_emb_qkv_"])
+def test_torch_cpu_batches_leave_offsets_to_the_operator(rng, offset_dtype, form):
+    # torch CPU tensors with integer tensor offsets take the operator's own check, as
+    # NumPy batches do (no loop over the batch on the host): the results of NumPy
+    # arrays, and bad offsets named as flash-attn's arguments, nothing written.
+    torch = pytest.importorskip("torch")
+    from numba_rope import flash_attn
+
+    calls = []
+    checked = flash_attn._checked_offsets
+
+    def counting(*args):
+        calls.append(args)
+        return checked(*args)
+
+    cos, sin = make_cos_sin(rng, 8, 8, np.float32)
+    shape = (2, 3, 2, 8) if form == "apply_rotary_emb" else (2, 3, 3, 2, 8)
+    x = rng.standard_normal(shape).astype(np.float32)
+    function = getattr(flash_attn, form)
+    good = np.array([0, 5])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(flash_attn, "_checked_offsets", counting)
+        want = function(x.copy(), cos, sin, seqlen_offsets=good, **(
+            {"inplace": True} if form == "apply_rotary_emb" else {}
+        ))  # fmt: skip
+        tx = torch.from_numpy(x.copy())
+        offsets = torch.from_numpy(good.astype(offset_dtype))
+        got = function(tx, torch.from_numpy(cos), torch.from_numpy(sin), seqlen_offsets=offsets, **(
+            {"inplace": True} if form == "apply_rotary_emb" else {}
+        ))  # fmt: skip
+        assert calls == []  # neither call looped over the batch on the host
+    assert got is tx
+    np.testing.assert_array_equal(got.numpy(), want)
+    for bad, words in (([0, 6], ["seqlen_offsets[1] = 6", "6..8"]), ([-1, 0], ["[0] = -1"])):
+        tx = torch.from_numpy(x.copy())
+        with pytest.raises(IndexError) as raised:
+            function(
+                tx, torch.from_numpy(cos), torch.from_numpy(sin),
+                seqlen_offsets=torch.tensor(bad, dtype=getattr(torch, offset_dtype)),
+                **({"inplace": True} if form == "apply_rotary_emb" else {}),
+            )  # fmt: skip
+        for word in words:
+            assert word in str(raised.value), str(raised.value)
+        np.testing.assert_array_equal(tx.numpy(), x)
+
+
 @pytest.mark.parametrize(
     ("offsets", "error", "words"),
     [
