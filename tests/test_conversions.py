@@ -225,9 +225,8 @@ def _vector_joiner(lanes, instructions):
 
 _HOST_HAS_BFLOAT16_INSTRUCTIONS = has_bfloat16_instructions(cpu_target.target_context)
 
-
-@pytest.mark.parametrize("lanes", [16, 8])
-@pytest.mark.parametrize(
+#: With and without AVX512_BF16's conversions (with: where this CPU has them).
+WITH_AND_WITHOUT_BFLOAT16_INSTRUCTIONS = pytest.mark.parametrize(
     "instructions",
     [
         False,
@@ -240,19 +239,29 @@ _HOST_HAS_BFLOAT16_INSTRUCTIONS = has_bfloat16_instructions(cpu_target.target_co
     ],
     ids=["integers", "avx512-bf16"],
 )
+
+
+def _ordinary_and_rare(rng):
+    """Interesting float32 values and quiet NaNs: all of them, those that are neither
+    NaN nor subnormal, and the others (shuffled), which AVX512_BF16's conversion leaves
+    to the integer code."""
+    values = np.concatenate(
+        [_interesting_float32(rng), np.array(QUIET_NANS, np.uint32).view(np.float32)]
+    )
+    magnitude = values.view(np.uint32) & 0x7FFFFFFF
+    special = np.isnan(values) | ((magnitude > 0) & (magnitude < 0x00800000))
+    return values, values[~special], rng.permutation(values[special])
+
+
+@pytest.mark.parametrize("lanes", [16, 8])
+@WITH_AND_WITHOUT_BFLOAT16_INSTRUCTIONS
 def test_bfloat16_vector_words_round_like_one_element(rng, lanes, instructions):
     # The word loops' vectors of pairs, with AVX512_BF16's conversion where the CPU has
     # it: vectors of normal numbers, zeros and infinities take it; a vector with one NaN
     # or subnormal lane (anywhere, in either half) the integer code. Without it, the
     # integer code leaves its NaN handling to vectors with a NaN lane. Every path gives
     # the oracle's bits, ties, overflow to infinity and NaN included.
-    values = np.concatenate(
-        [_interesting_float32(rng), np.array(QUIET_NANS, np.uint32).view(np.float32)]
-    )
-    magnitude = values.view(np.uint32) & 0x7FFFFFFF
-    special = np.isnan(values) | ((magnitude > 0) & (magnitude < 0x00800000))
-    ordinary = values[~special]
-    rare = rng.permutation(values[special])
+    values, ordinary, rare = _ordinary_and_rare(rng)
     assert rare.size > 1000 and ordinary.size > 100000
     vectors = ordinary.size // lanes
     with_one_special = ordinary[: vectors * lanes].reshape(vectors, lanes).copy()
@@ -335,31 +344,14 @@ def test_float16_integer_conversion_rounds_like_numpy(rng, lanes):
 
 
 @pytest.mark.parametrize("lanes", [8, 16, 32])
-@pytest.mark.parametrize(
-    "instructions",
-    [
-        False,
-        pytest.param(
-            True,
-            marks=pytest.mark.skipif(
-                not _HOST_HAS_BFLOAT16_INSTRUCTIONS, reason="this CPU has no AVX512_BF16"
-            ),
-        ),
-    ],
-    ids=["integers", "avx512-bf16"],
-)
+@WITH_AND_WITHOUT_BFLOAT16_INSTRUCTIONS
 def test_bfloat16_element_vectors_round_like_one_element(rng, lanes, instructions):
     # The element rows' vectors (bfloat16 with float32 caches), with AVX512_BF16's
     # conversion where the CPU has it: vectors of normal numbers, zeros and infinities
     # take it; a vector with one NaN or subnormal lane, anywhere (either 16-lane half
     # of 32 lanes), the integer code. Every path gives the oracle's bits, ties,
     # overflow to infinity and the canonical quiet NaN of each sign included.
-    values = np.concatenate(
-        [_interesting_float32(rng), np.array(QUIET_NANS, np.uint32).view(np.float32)]
-    )
-    magnitude = values.view(np.uint32) & 0x7FFFFFFF
-    special = np.isnan(values) | ((magnitude > 0) & (magnitude < 0x00800000))
-    ordinary, rare = values[~special], rng.permutation(values[special])
+    values, ordinary, rare = _ordinary_and_rare(rng)
     vectors = ordinary.size // lanes
     with_one_special = ordinary[: vectors * lanes].reshape(vectors, lanes).copy()
     with_one_special[np.arange(vectors), rng.integers(0, lanes, vectors)] = np.resize(rare, vectors)
