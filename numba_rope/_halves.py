@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-#: Unsigned integer dtypes by item size, for comparing elements bit for bit.
+#: torch's integer dtypes by item size (signed: torch's unsigned ones beyond uint8 are
+#: recent), for comparing elements bit for bit.
 _BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 

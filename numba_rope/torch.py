@@ -515,8 +515,8 @@ _FUNCTION_MODES = getattr(torch._C, "_is_torch_function_mode_enabled", None)
 def _direct(inputs: tuple) -> bool:
     """Whether a call that records nothing (:func:`_records` 0) may run the op's
     implementation without torch's dispatcher, which costs about 30 µs a call on the
-    Intel VM (a CPU decode step of 64 sequences, q and k bfloat16: 57 µs through the
-    op, 27 directly; docs/performance.md, "Thirty-third session"): plain tensors (no
+    Intel VM (a CPU decode step of 64 sequences, q and k: 56-64 µs through the op,
+    39-41 directly; docs/performance.md, "Thirty-third session"): plain tensors (no
     subclass, no fake tensor), nothing that requires grad where grad mode is on
     (whatever the op's registered autograd would do, refusing caches that require
     grad included), no tracer (torch.compile, torch.jit.trace), no torch.func
