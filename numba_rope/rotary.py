@@ -16,6 +16,19 @@ from numba_rope.typing import Array, ArrayT, PositionIds, PositionOffset
 
 #: ``numpy.ndarray``, one global lookup on the small call's path rather than two.
 _ndarray = np.ndarray
+_INT64 = np.dtype(np.int64)
+
+
+def _as_int64(offsets: np.ndarray) -> np.ndarray:
+    """An array of offsets of another integer dtype as int64, exactly (signed integers,
+    unsigned ones of fewer than 64 bits: uint64 offsets keep theirs, for the general
+    path's check of values past int64); else as it is. The small calls' compiled plans
+    take int64 offsets: int32 ones (flash-attn's ``cache_seqlens``) ran the Python
+    plan, 2-3 µs more a call (docs/performance.md, "Thirty-third session")."""
+    dtype = offsets.dtype
+    if dtype.kind == "i" or (dtype.kind == "u" and dtype.itemsize < 8):
+        return offsets.astype(_INT64)
+    return offsets
 
 
 def rotary_embedding(
@@ -133,6 +146,8 @@ def rotary_embedding(
     """
     key = None
     if type(input) is _ndarray and (check_position_ids is True or check_position_ids is False):
+        if type(position_offset) is _ndarray and position_offset.dtype is not _INT64:
+            position_offset = _as_int64(position_offset)
         if (
             type(cos_cache) is _ndarray
             and (position_ids is None or type(position_ids) is _ndarray)
@@ -399,6 +414,8 @@ position_offset, inverse, stream, check_position_ids
         and type(k) is _ndarray
         and (check_position_ids is True or check_position_ids is False)
     ):
+        if type(position_offset) is _ndarray and position_offset.dtype is not _INT64:
+            position_offset = _as_int64(position_offset)
         if (
             type(cos_cache) is _ndarray
             and (position_ids is None or type(position_ids) is _ndarray)

@@ -833,6 +833,44 @@ def test_compiled_plan_of_offsets_leaves_other_calls_to_the_general_path(rng, fa
         ]
 
 
+def test_offsets_of_other_integer_dtypes_take_the_compiled_plan_of_int64_ones(rng, fast_runs):
+    # int32 offsets (flash-attn's cache_seqlens), other integers of fewer bits and
+    # int64 in the other byte order are read as int64, exactly: the compiled plan of
+    # int64 offsets runs them (one plan for all), with the contract's bits; uint64
+    # offsets keep the general path's check (test above).
+    x, cos, sin, _ = make_case(rng, (3, 2, 4, 8), np.float32, n_positions=10)
+    k = rng.standard_normal((3, 1, 4, 8)).astype(np.float32)
+    offsets = np.array([0, 6, 3])
+    ids = offsets[:, None] + np.arange(4)
+    want, want_k = float32_contract(x, cos, sin, ids), float32_contract(k, cos, sin, ids)
+    out = np.empty_like(x)
+    dtypes = (np.int32, np.int16, np.uint8, np.uint32, np.dtype(">i8"), np.int64)
+    for dtype in dtypes:
+        given = offsets.astype(dtype)
+        got = _repeat(
+            lambda given=given: numba_rope.rotary_embedding(
+                x, cos, sin, position_offset=given, out=out
+            )
+        )
+        assert_bitwise_equal(got, want)
+        got_q, got_k = _repeat(
+            lambda given=given: numba_rope.rotary_embedding_qk(
+                x, k, cos, sin, position_offset=given
+            )
+        )
+        assert_bitwise_equal(got_q, want)
+        assert_bitwise_equal(got_k, want_k)
+        assert given.dtype == np.dtype(dtype)  # the caller's array is left as it was
+    # every call after the first dtype's plan was made ran by it, none fell back
+    later = (len(dtypes) - 1) * (cpu_backend.FAST_AFTER + 2)
+    for kind in ("one", "qk"):
+        assert fast_runs[kind][0] > later and fast_runs[kind][1] == 0, fast_runs
+    with pytest.raises(IndexError, match="position_offset"):
+        numba_rope.rotary_embedding(
+            x, cos, sin, position_offset=np.array([0, 7, 3], np.int32), out=out
+        )
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=[d.name for d in DTYPES])
 @pytest.mark.parametrize("form", ["out", "allocating", "q in place", "both in place", "no ids"])
 def test_compiled_plan_of_q_and_k_gives_the_contract_bits(rng, fast_runs, dtype, form):
