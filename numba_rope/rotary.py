@@ -20,13 +20,14 @@ _INT64 = np.dtype(np.int64)
 
 
 def _as_int64(offsets: np.ndarray) -> np.ndarray:
-    """An array of offsets of another integer dtype as int64, exactly (signed integers,
-    unsigned ones of fewer than 64 bits: uint64 offsets keep theirs, for the general
-    path's check of values past int64); else as it is. The small calls' compiled plans
-    take int64 offsets: int32 ones (flash-attn's ``cache_seqlens``) ran the Python
-    plan, 2-3 µs more a call (docs/performance.md, "Thirty-third session")."""
+    """An array of offsets of another integer dtype, in this machine's byte order, as
+    int64, exactly (signed integers, unsigned ones of fewer than 64 bits); else as it
+    is: uint64 offsets keep the general path's check of values past int64, and arrays
+    in the other byte order its refusal. The small calls' compiled plans take int64
+    offsets: int32 ones (flash-attn's ``cache_seqlens``) ran the Python plan, 2-3 µs
+    more a call (docs/performance.md, "Thirty-third session")."""
     dtype = offsets.dtype
-    if dtype.kind == "i" or (dtype.kind == "u" and dtype.itemsize < 8):
+    if dtype.isnative and (dtype.kind == "i" or (dtype.kind == "u" and dtype.itemsize < 8)):
         return offsets.astype(_INT64)
     return offsets
 

@@ -834,17 +834,17 @@ def test_compiled_plan_of_offsets_leaves_other_calls_to_the_general_path(rng, fa
 
 
 def test_offsets_of_other_integer_dtypes_take_the_compiled_plan_of_int64_ones(rng, fast_runs):
-    # int32 offsets (flash-attn's cache_seqlens), other integers of fewer bits and
-    # int64 in the other byte order are read as int64, exactly: the compiled plan of
-    # int64 offsets runs them (one plan for all), with the contract's bits; uint64
-    # offsets keep the general path's check (test above).
+    # int32 offsets (flash-attn's cache_seqlens) and other integers of fewer bits are
+    # read as int64, exactly: the compiled plan of int64 offsets runs them (one plan
+    # for all), with the contract's bits; uint64 offsets keep the general path's check
+    # (test above), and offsets in the other byte order its refusal.
     x, cos, sin, _ = make_case(rng, (3, 2, 4, 8), np.float32, n_positions=10)
     k = rng.standard_normal((3, 1, 4, 8)).astype(np.float32)
     offsets = np.array([0, 6, 3])
     ids = offsets[:, None] + np.arange(4)
     want, want_k = float32_contract(x, cos, sin, ids), float32_contract(k, cos, sin, ids)
     out = np.empty_like(x)
-    dtypes = (np.int32, np.int16, np.uint8, np.uint32, np.dtype(">i8"), np.int64)
+    dtypes = (np.int32, np.int16, np.uint8, np.uint32, np.int64)
     for dtype in dtypes:
         given = offsets.astype(dtype)
         got = _repeat(
@@ -869,6 +869,9 @@ def test_offsets_of_other_integer_dtypes_take_the_compiled_plan_of_int64_ones(rn
         numba_rope.rotary_embedding(
             x, cos, sin, position_offset=np.array([0, 7, 3], np.int32), out=out
         )
+    other_order = offsets.astype(np.int32).astype(np.dtype(np.int32).newbyteorder())
+    with pytest.raises(TypeError, match="position_offset has dtype"):
+        numba_rope.rotary_embedding(x, cos, sin, position_offset=other_order, out=out)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=[d.name for d in DTYPES])
