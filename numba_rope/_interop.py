@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from numba_rope._autograd import below_transforms
+from numba_rope._autograd import below_transforms, transformed
 
 
 def _module(array: Any) -> str:
@@ -73,19 +73,18 @@ _TORCH_INTEGERS = frozenset(
 
 def host_tensor(array: Any) -> bool:
     """Whether ``array`` is a plain torch tensor in CPU memory: ``torch.Tensor`` itself
-    (no subclass), not a ``torch.func`` transform's wrapper, without torch's negative
-    bit. False for anything else (torch is imported only for a torch object)."""
+    (no subclass), strided, not a ``torch.func`` transform's wrapper
+    (:func:`~numba_rope._autograd.transformed`), without torch's negative bit. False for anything else (torch is imported only for a torch object)."""
     if not _is_torch(array):
         return False
     import torch
 
-    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
     return (
         type(array) is torch.Tensor
         and array.device.type == "cpu"
+        and array.layout is torch.strided
         and not array.is_neg()
-        and wrapped is not None
-        and not wrapped(array)
+        and not transformed(array)
     )
 
 

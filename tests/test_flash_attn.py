@@ -419,6 +419,14 @@ def test_torch_cpu_batches_leave_offsets_to_the_operator(rng, offset_dtype, form
     # arrays, and bad offsets named as flash-attn's arguments, nothing written.
     torch = pytest.importorskip("torch")
     from numba_rope import flash_attn
+    from numba_rope._interop import host_integers, host_tensor
+
+    # What takes this path: plain strided CPU tensors, integer ones for the offsets.
+    plain = torch.zeros(2, dtype=torch.int32)
+    assert host_tensor(plain) and host_integers(plain) and host_integers(np.arange(2))
+    assert not host_tensor(plain.to_sparse()) and not host_tensor(plain._neg_view())
+    assert not host_integers(torch.zeros(2)) and not host_integers(plain.bool())
+    assert not host_tensor(plain.as_subclass(type("Mine", (torch.Tensor,), {})))
 
     calls = []
     checked = flash_attn._checked_offsets

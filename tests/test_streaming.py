@@ -242,9 +242,10 @@ def test_what_streams(monkeypatch):
     assert cpu_backend.streaming(48, False, wide[..., :64])  # 24 pairs, 16 channels past
     # bfloat16 words without interleaving: 8 pairs a step too (4 words)
     words = aligned((1, 4, 16, 80), np.int16)
-    assert cpu_backend.streaming(48, False, words, words=True)  # 24 pairs
-    assert cpu_backend.streaming(16, False, words, words=True)  # 8 pairs
-    assert not cpu_backend.streaming(24, False, words, words=True)  # 12 pairs
+    assert cpu_vector.STREAM_PAIRS == 8
+    assert cpu_backend.streaming(48, False, words)  # 24 pairs
+    assert cpu_backend.streaming(16, False, words)  # 8 pairs
+    assert not cpu_backend.streaming(24, False, words)  # 12 pairs
     assert not cpu_backend.streaming(64, False, big[:, :1, :2])  # 512 bytes: too small
     assert cpu_backend.streaming(64, False, big[:, :1, :2], big)  # q and k count together
     # Not in place: an output that is its input's elements, as the same array or another

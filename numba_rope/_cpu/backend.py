@@ -61,7 +61,6 @@ from numba_rope._cpu.vector import (
     STREAM_ALIGNMENT,
     STREAM_COPY_ELEMENTS,
     STREAM_PAIRS,
-    STREAM_WORD_PAIRS,
 )
 from numba_rope._geometry import (
     SWAP_HEADS_AND_TOKENS,
@@ -320,9 +319,7 @@ def kernels(
     return found
 
 
-def streaming(
-    rotary_dim: int, interleaved: bool, *outs, inputs: tuple = (), words: bool = False
-) -> bool:
+def streaming(rotary_dim: int, interleaved: bool, *outs, inputs: tuple = ()) -> bool:
     """Whether the kernels write these outputs (storage views, BHSD) with non-temporal
     stores: outputs of at least ``config.STREAMING_MIN_BYTES`` together, none of them
     the very elements of its input (``inputs``, in the order of ``outs``; in place,
@@ -332,8 +329,7 @@ def streaming(
     streaming intrinsics of :mod:`numba_rope._cpu.vector` need).
 
     And rows whose every element the vector steps store: the rotated pairs a multiple
-    of :data:`STREAM_PAIRS` (of :data:`STREAM_WORD_PAIRS` for the non-interleaved
-    bfloat16 ``words``), the channels past ``rotary_dim`` a multiple of
+    of :data:`STREAM_PAIRS`, the channels past ``rotary_dim`` a multiple of
     :data:`STREAM_COPY_ELEMENTS`. What the steps leave, the element loops write with
     ordinary stores, into the lines the steps stream: on the Intel AVX-512 VM such rows
     took 20-40x the time of ordinary stores alone (float32 heads of 40 channels, 24
@@ -349,8 +345,7 @@ def streaming(
         return False
     if any(_same_elements(x, out) for x, out in zip(inputs, outs, strict=False)):
         return False
-    pairs = rotary_dim // 2
-    if pairs % (STREAM_WORD_PAIRS if words and not interleaved else STREAM_PAIRS):
+    if (rotary_dim // 2) % STREAM_PAIRS:
         return False
     offset = rotary_dim if interleaved else rotary_dim // 2  # of the last aligned part
     for out in outs:
@@ -534,11 +529,7 @@ def launch(views: tuple, args: tuple, call: Call, check_overlap=True) -> int:
     cos, sin = packed_caches(cos, sin, size, sum(v.nbytes for v, _ in views))
     contiguous, words = row_format(*(a for pair in views for a in pair), cos, sin)
     stream = streaming(
-        call.rotary_dim,
-        call.interleaved,
-        *(o for _, o in views),
-        inputs=tuple(x for x, _ in views),
-        words=words,
+        call.rotary_dim, call.interleaved, *(o for _, o in views), inputs=tuple(x for x, _ in views)
     )
     batch, _, seq_len, _ = x.shape
     by_token = contiguous and token_major(x)

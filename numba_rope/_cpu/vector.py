@@ -122,14 +122,13 @@ CONSTANT_HALVES = (64, 32)
 #: ones.
 STREAM_ALIGNMENT = 16
 
-#: The vector steps store a row's rotated pairs in multiples of this many (the narrowest
-#: of :data:`VECTOR_WIDTHS`; element rows, and the interleaved bfloat16 words), of
-#: :data:`STREAM_WORD_PAIRS` for the non-interleaved words (two pairs a word), and
-#: :func:`stream_copy` the channels past ``rotary_dim`` in multiples of
+#: Every vector step stores a row's rotated pairs in multiples of this many (element
+#: rows and the interleaved bfloat16 words: the narrowest of :data:`VECTOR_WIDTHS`; the
+#: non-interleaved words: twice the narrowest of :data:`WORD_WIDTHS`, two pairs a word),
+#: and :func:`stream_copy` the channels past ``rotary_dim`` in multiples of
 #: :data:`STREAM_COPY_ELEMENTS`: the element loops do the rest, with ordinary stores.
 #: Rows streamed only where nothing is left (:func:`numba_rope._cpu.backend.streaming`).
-STREAM_PAIRS = VECTOR_WIDTHS[-1]
-STREAM_WORD_PAIRS = 2 * WORD_WIDTHS[-1]
+STREAM_PAIRS = max(VECTOR_WIDTHS[-1], 2 * WORD_WIDTHS[-1])
 STREAM_COPY_ELEMENTS = VECTOR_WIDTHS[-1]
 
 #: Storage types the streaming loops take (float32 and the 16-bit formats).
