@@ -23,7 +23,9 @@ def _module(array: Any) -> str:
     return type(array).__module__ or ""
 
 
-def _is_torch(array: Any) -> bool:
+def is_torch(array: Any) -> bool:
+    """Whether ``array`` is a torch tensor (read from its type's module; torch is not
+    imported)."""
     module = _module(array)
     return module == "torch" or module.startswith("torch.")
 
@@ -75,7 +77,7 @@ def host_tensor(array: Any) -> bool:
     """Whether ``array`` is a plain torch tensor in CPU memory: ``torch.Tensor`` itself
     (no subclass), strided, not a ``torch.func`` transform's wrapper
     (:func:`~numba_rope._autograd.transformed`), without torch's negative bit. False for anything else (torch is imported only for a torch object)."""
-    if not _is_torch(array):
+    if not is_torch(array):
         return False
     import torch
 
@@ -112,7 +114,7 @@ def to_host(array: Any) -> np.ndarray:
     """
     if isinstance(array, np.ndarray):
         return array
-    if _is_torch(array):
+    if is_torch(array):
         import torch
 
         if getattr(torch._C._functorch, "is_batchedtensor", bool)(array):
@@ -150,7 +152,7 @@ def like(host: np.ndarray, reference: Any) -> Any:
     """
     if isinstance(reference, np.ndarray):
         return host
-    if _is_torch(reference):
+    if is_torch(reference):
         import torch
 
         with warnings.catch_warnings():

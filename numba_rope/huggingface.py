@@ -20,18 +20,13 @@ from typing import Any
 import numpy as np
 
 from numba_rope._halves import first_half
-from numba_rope._interop import like
+from numba_rope._interop import is_torch, like
 from numba_rope.rotary import rotary_embedding_qk
 
 __all__ = ["apply_rotary_pos_emb"]
 
 #: ``unsqueeze_dim`` -> the layout of q and k it implies for 3-D cos/sin.
 _LAYOUT_OF_UNSQUEEZE_DIM = {1: "bhsd", -3: "bhsd", 2: "bshd", -2: "bshd"}
-
-
-def _is_torch(array: Any) -> bool:
-    module = type(array).__module__ or ""
-    return module == "torch" or module.startswith("torch.")
 
 
 def apply_rotary_pos_emb(
@@ -144,16 +139,16 @@ def apply_rotary_pos_emb(
             # One row for the batch (transformers' arange(...).unsqueeze(0)), broadcast
             # as cos[position_ids] was there: a view.
             rows = (q.shape[0], ids.shape[1])
-            ids = ids.expand(rows) if _is_torch(ids) else np.broadcast_to(ids, rows)
+            ids = ids.expand(rows) if is_torch(ids) else np.broadcast_to(ids, rows)
     rotary_dim = int(cos.shape[-1])
     # One table for the batch ([1, seq_len, rotary_dim]) is broadcast over it as a view,
     # after its halves are checked and halved: the check reads the table once, not once
     # per sequence.
     batch = q.shape[0] if ids is None and cos.shape[0] == 1 and q.shape[0] != 1 else None
-    if _is_torch(q):
+    if is_torch(q):
         import numba_rope.torch  # registers the ops
 
-        if not (_is_torch(cos) and _is_torch(sin)):
+        if not (is_torch(cos) and is_torch(sin)):
             # NumPy caches (rope_cache's, written twice): halved here, on the host, and
             # taken by numba_rope.torch as tensors over their memory.
             return numba_rope.torch.rotary_embedding_qk(
@@ -165,7 +160,7 @@ def apply_rotary_pos_emb(
                 layout=layout,
             )
         numba_rope.torch.check_caches(cos, sin)  # (gradients for q and k only)
-        if ids is not None and not _is_torch(ids):
+        if ids is not None and not is_torch(ids):
             ids = like(ids, q)  # (a read-only broadcast row too, without torch's warning)
         # The op checks the halves, halves the caches and broadcasts a one-row table over
         # the batch where the data are real (under torch.compile too); it is
@@ -189,6 +184,6 @@ def _over_batch(cos: Any, sin: Any, batch: int | None) -> tuple[Any, Any]:
     if batch is None:
         return cos, sin
     shape = (batch, *cos.shape[1:])
-    if _is_torch(cos):
+    if is_torch(cos):
         return cos.expand(shape), sin.expand(shape)
     return np.broadcast_to(cos, shape), np.broadcast_to(sin, shape)
