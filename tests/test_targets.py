@@ -68,7 +68,29 @@ def counts(asm):  # the instructions the assertions below look for, in one kerne
         "vaddsubps": asm.count("vaddsubps"),
         "prefetcht0": len(re.findall(r"\bprefetcht0\b", asm)),
         "prefetchw": len(re.findall(r"\bprefetchw\b", asm)),
+        "loop spills": loop_spills(asm),
     }
+
+
+STACK_VECTOR = re.compile(r"^\s+v\w+\s+.*(%[xyz]mm.*\(%rsp\)|\(%rsp\).*%[xyz]mm)")
+
+
+def loop_spills(asm):
+    # The most vector spills and reloads (vector instructions with a stack operand) in
+    # one loop that multiplies: a block from a label to a backward jump to it.
+    lines = asm.splitlines()
+    labels = {}
+    most = 0
+    for number, line in enumerate(lines):
+        label = re.match(r"^(\.LBB\w+):", line)
+        if label:
+            labels[label.group(1)] = number
+        jump = re.match(r"^\s+j\w+\s+(\.LBB\w+)", line)
+        if jump and jump.group(1) in labels:
+            body = lines[labels[jump.group(1)] : number + 1]
+            if any("vmulps" in text for text in body):
+                most = max(most, sum(bool(STACK_VECTOR.match(text)) for text in body))
+    return most
 
 variants = [(d, w, streaming, False, False) for d, w in (("float32", False),
             ("float16", False), ("bfloat16", True)) for streaming in (False, True)]
@@ -192,7 +214,8 @@ def test_kernels_compiled_for_other_x86_cpus_contain_no_fma(tmp_path, cpu):
         # The hand-written vector steps (streaming rows, bfloat16 words) are 16 lanes,
         # which LLVM legalizes into the target's registers: the full 512 bits on both
         # AVX-512 targets (skylake-avx512 included, whose tuning keeps LLVM's own loop
-        # vectorizer at 256 bits), two ymm halves on haswell.
+        # vectorizer at 256 bits), two ymm halves on haswell (whose bfloat16 words
+        # take steps of 8: vector.NARROW_WORD_WIDTHS).
         hand_written = "streaming" in variant or variant.startswith("bfloat16")
         if hand_written and cpu in AVX512:
             assert counts["zmm"] > 0, f"{cpu} {variant}: the vector steps use no zmm"
@@ -209,6 +232,10 @@ def test_kernels_compiled_for_other_x86_cpus_contain_no_fma(tmp_path, cpu):
         assert (conversions > 0) == converts, f"{cpu} {variant}: {conversions} conversions"
         if bfloat16_words:
             assert counts["bf16 elements"] == 0, f"{cpu} {variant}: vcvtneps2bf16 in words"
+            # Steps as wide as the target's registers hold (vector.NARROW_WORD_WIDTHS):
+            # nothing spilled in the loops (a third of haswell's 16-word steps was).
+            spills = counts["loop spills"]
+            assert spills == 0, f"{cpu} {variant}: {spills} spills and reloads in a loop"
         assert counts["fpclass"] >= conversions, f"{cpu} {variant}: conversion without test"
         # bfloat16 words on AVX-512 without AVX512_BF16 (see pair_constants): rounded
         # with a bit test into a mask register, merged with a shift and vpternlogd,

@@ -112,6 +112,11 @@ VECTOR_WIDTHS = (16, 8)
 #: rounding is scalar: such rows took 2-4x the time of rows of 16 pairs more
 #: (docs/performance.md, "Thirty-third session").
 WORD_WIDTHS = (*VECTOR_WIDTHS, VECTOR_WIDTHS[-1] // 2)
+#: :data:`WORD_WIDTHS` for targets without AVX-512 (16 vector registers): a 16-word step
+#: holds 16 ymm registers of inputs alone (the words' low and high elements of both
+#: halves, their cos and sin), and LLVM spilled a third of them to the stack in every
+#: step; 8-word steps spill none (``tests/test_targets.py`` counts the spills).
+NARROW_WORD_WIDTHS = WORD_WIDTHS[1:]
 #: Pairs per row (``rotary_dim // 2``) for which :func:`vector_pairs` emits its steps a
 #: second time with the row length as a constant: 64 (heads of 128 channels: Llama,
 #: Mistral, Qwen and most models since) and 32 (heads of 64, and half of 128 rotated).
@@ -151,6 +156,8 @@ class _Stream:
         self.bfloat16_instructions = has_bfloat16_instructions(context)
         self.float16_in_register = has_f16c(context) and not self.float16_arithmetic
         self.pair_constants = {}
+        #: The steps of the bfloat16 word loops and of their widened cache rows.
+        self.word_widths = WORD_WIDTHS if self.avx512 else NARROW_WORD_WIDTHS
 
     def pointer(self, array, index, lanes, element=None):
         element = array.data.type.pointee if element is None else element
@@ -664,7 +671,9 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
             y2 = stream.pair_words(y2_low, y2_high, instructions)
             stream.store_words(y2, out, second, lanes, nontemporal)
 
-        return stream.steps(ir.Constant(stream.intp, 0), half, step, scale=2, widths=WORD_WIDTHS)
+        return stream.steps(
+            ir.Constant(stream.intp, 0), half, step, scale=2, widths=stream.word_widths
+        )
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
 
@@ -861,7 +870,7 @@ def _widening(source, wide, length, sources, halves, doubled=False):
 
         if halves:
             return stream.steps(
-                ir.Constant(stream.intp, 0), length, halves_step, scale=2, widths=WORD_WIDTHS
+                ir.Constant(stream.intp, 0), length, halves_step, scale=2, widths=stream.word_widths
             )
         return stream.steps(ir.Constant(stream.intp, 0), length, doubled_step if doubled else step)
 
