@@ -59,8 +59,19 @@ Tensor = torch.Tensor
 # full-width ones (checked, then halved inside the op, where the data are real).
 
 
+def _unrecorded(*tensors: Tensor | None) -> list:
+    """``tensors`` without what autograd records on them (``detach``), for the NumPy
+    views of the implementation; a tensor with nothing to strip as it is (``detach``
+    makes a new tensor object, 0.3 us each)."""
+    forward = getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
+    return [
+        tensor.detach() if tensor is not None and (forward or tensor.requires_grad) else tensor
+        for tensor in tensors
+    ]
+
+
 def _caches(cos: Tensor, sin: Tensor, full_width: bool) -> tuple[Tensor, Tensor]:
-    cos, sin = cos.detach(), sin.detach()
+    cos, sin = _unrecorded(cos, sin)
     if full_width:
         return first_half(cos, "cos"), first_half(sin, "sin")
     return cos, sin
@@ -81,11 +92,12 @@ def _rotary_impl(
     full_width: bool,
 ) -> Tensor:
     cos, sin = _caches(cos_cache, sin_cache, full_width)
+    input, position_ids = _unrecorded(input, position_ids)
     return _rotate_one(
-        input.detach(),
+        input,
         cos,
         sin,
-        None if position_ids is None else position_ids.detach(),
+        position_ids,
         interleaved=interleaved,
         rotary_embedding_dim=rotary_embedding_dim,
         layout=layout,
@@ -120,12 +132,13 @@ def _rotary_qk_impl(
         # broadcast over the batch (a view).
         shape = (q.shape[0], *cos.shape[1:])
         cos, sin = cos.expand(shape), sin.expand(shape)
+    q, k, position_ids = _unrecorded(q, k, position_ids)
     return _rotate_two(
-        q.detach(),
-        k.detach(),
+        q,
+        k,
         cos,
         sin,
-        None if position_ids is None else position_ids.detach(),
+        position_ids,
         interleaved=interleaved,
         rotary_embedding_dim=rotary_embedding_dim,
         layout=layout,
@@ -521,7 +534,8 @@ def _direct(inputs: tuple) -> bool:
     (whatever the op's registered autograd would do, refusing caches that require
     grad included), no tracer (torch.compile, torch.jit.trace), no torch.func
     transform, and no dispatch or function mode that expects to see the op. The same
-    implementation, so the same results."""
+    implementation, so the same results. ``inputs``: the call's tensor arguments
+    (None where one is not given)."""
     if _DISPATCH_MODES is None or _FUNCTION_MODES is None:
         return False
     grad = torch.is_grad_enabled()
@@ -543,7 +557,8 @@ def recorded_op(*inputs: Any) -> Tensor:
     """:func:`_rotary_op` (its arguments), recording what autograd needs (above)."""
     mode = _records(inputs[0])
     if mode == 0:
-        return _rotary_impl(*inputs) if _direct(inputs) else _rotary_op(*inputs)
+        direct = _direct(inputs[:4] + inputs[5:6])  # its tensors: input to offsets
+        return _rotary_impl(*inputs) if direct else _rotary_op(*inputs)
     return (_RotaryDual if mode == 2 else _Rotary).apply(*inputs)
 
 
@@ -551,7 +566,8 @@ def recorded_qk_op(*inputs: Any) -> tuple[Tensor, Tensor]:
     """:func:`_rotary_qk_op` (its arguments), recording what autograd needs (above)."""
     mode = _records(inputs[0], inputs[1])
     if mode == 0:
-        return _rotary_qk_impl(*inputs) if _direct(inputs) else _rotary_qk_op(*inputs)
+        direct = _direct(inputs[:5] + inputs[6:7])  # its tensors: q to offsets
+        return _rotary_qk_impl(*inputs) if direct else _rotary_qk_op(*inputs)
     return (_RotaryQKDual if mode == 2 else _RotaryQK).apply(*inputs)
 
 
