@@ -30,16 +30,17 @@ _BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 def _same_bits(first: Any, second: Any) -> bool:
     """Whether two views of one array's elements (of any strides) hold the same bits:
     NumPy arrays compared as unsigned integers, torch tensors as signed ones (torch's
-    ``view(dtype)`` keeps the strides for types of one size); False for anything else,
-    which the element-wise check then decides."""
+    ``view(dtype)`` keeps the strides for types of one size); False for anything else
+    (a tensor with torch's negative bit among them), which the element-wise check then
+    decides."""
     if isinstance(first, np.ndarray):
         bits = np.dtype(f"u{first.dtype.itemsize}")
         return bool(np.array_equal(first.view(bits), second.view(bits)))
     module = sys.modules.get("torch")
     if module is not None and isinstance(first, module.Tensor):
         integers = getattr(module, _BITS.get(first.element_size(), ""), None)
-        if integers is None or first.is_complex():
-            return False
+        if integers is None or first.is_complex() or first.is_neg():
+            return False  # (torch views no tensor with its negative bit as integers)
         return bool(module.equal(first.view(integers), second.view(integers)))
     return False
 

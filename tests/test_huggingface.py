@@ -437,3 +437,25 @@ def test_torch_tokens_with_numpy_caches(hf):
         0
     ].sum().backward()
     assert torch.equal(q_grad.grad, theirs.grad)
+
+
+def test_caches_numpy_cannot_view_take_torch_path(hf):
+    """Full-width CPU caches are checked and halved as NumPy views where torch gives
+    them; a cache with torch's negative bit (which ``Tensor.numpy()`` refuses) takes
+    torch's own slicing and comparison, with the same result: transformers' bit for bit,
+    and the halves still checked."""
+    import torch
+
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 5, 8, generator=generator)
+    freqs = torch.rand(1, 5, 4, generator=generator) * 20
+    cos = torch.cat([freqs, freqs], -1).cos()
+    minus_sin = -torch.cat([freqs, freqs], -1).sin()
+    sin = minus_sin._neg_view()  # the values of sin, stored negated
+    assert sin.is_neg()
+    got, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    want, _ = hf[0].apply_rotary_pos_emb(q, q, cos, sin.resolve_neg())
+    assert torch.equal(got, want)
+    minus_sin[0, 2, 5] += 1.0  # sin[0, 2, 5] changes, sin[0, 2, 1] does not
+    with pytest.raises(ValueError, match=r"the halves of sin differ: sin\[0, 2, 1\]"):
+        apply_rotary_pos_emb(q, q, cos, sin)
