@@ -27,13 +27,22 @@ import numpy as np
 _BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
+#: NumPy halves up to this size are compared as the bytes of their copies: one
+#: ``bytes`` comparison, 0.14 us for a decode step of one sequence against 1.35 for
+#: ``numpy.array_equal``, 3.2 against 4.7 us at 32 KiB, 10.5 against 13.2 at 128 KiB;
+#: 58 against 49 at 512 KiB ("Thirty-fourth session").
+_BYTES_COMPARED_AS_BYTES = 128 << 10
+
+
 def _same_bits(first: Any, second: Any) -> bool:
     """Whether two views of one array's elements (of any strides) hold the same bits:
-    NumPy arrays compared as unsigned integers, torch tensors as signed ones (torch's
-    ``view(dtype)`` keeps the strides for types of one size); False for anything else
-    (a tensor with torch's negative bit among them), which the element-wise check then
-    decides."""
+    NumPy arrays compared as bytes (:data:`_BYTES_COMPARED_AS_BYTES`) or as unsigned
+    integers, torch tensors as signed ones (torch's ``view(dtype)`` keeps the strides
+    for types of one size); False for anything else (a tensor with torch's negative bit
+    among them), which the element-wise check then decides."""
     if isinstance(first, np.ndarray):
+        if first.nbytes <= _BYTES_COMPARED_AS_BYTES:
+            return first.tobytes() == second.tobytes()  # (the bits, in C order)
         bits = np.dtype(f"u{first.dtype.itemsize}")
         return bool(np.array_equal(first.view(bits), second.view(bits)))
     module = sys.modules.get("torch")

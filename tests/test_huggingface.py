@@ -87,6 +87,23 @@ def test_halves_that_differ_are_refused_with_the_first_place(rng):
         apply_rotary_pos_emb(q, q, cos[..., :7], sin[..., :7])
 
 
+@pytest.mark.parametrize("seq_len", [3, 600])  # halves of 384 bytes, of 150 KiB
+def test_halves_compared_small_and_large(rng, seq_len):
+    """Halves equal bit for bit pass (small ones compared as bytes, large ones as
+    integers); one bit changed in the second half is refused with its place, in the
+    first row and in the last."""
+    q = rng.standard_normal((1, 2, seq_len, 128)).astype(np.float32)
+    cos, sin = full_width_caches(rng, 1, seq_len, 128)
+    got, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    expected = reference.rotary_embedding(q, cos[..., :64], sin[..., :64], precision="contract")
+    np.testing.assert_array_equal(got, expected)
+    for token in (0, seq_len - 1):
+        different = cos.copy()
+        different.view(np.uint32)[0, token, 64 + 7] ^= 1
+        with pytest.raises(ValueError, match=rf"halves of cos differ: cos\[0, {token}, 7\]"):
+            apply_rotary_pos_emb(q, q, different, sin)
+
+
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
 def test_halves_equal_in_value_but_not_in_bits_are_accepted(rng, kind):
     # Halves equal bit for bit pass one comparison of their bits; halves whose only
