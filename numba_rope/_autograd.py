@@ -87,8 +87,20 @@ def below_transforms() -> Any:
 
 
 def numpy_view(tensor: Any) -> Any:
-    """``tensor.numpy()``; a tensor that a ``torch.func`` transform running now does
-    not transform is read below the transforms (:func:`below_transforms`)."""
+    """``tensor.numpy()``; bfloat16 as ``ml_dtypes.bfloat16``, through an ``int16``
+    view (NumPy has no bfloat16 of its own); a tensor that a ``torch.func`` transform
+    running now does not transform is read below the transforms
+    (:func:`below_transforms`)."""
+    import torch
+
+    if tensor.dtype is torch.bfloat16:
+        import ml_dtypes  # not at import time: it costs more than the rest of numba_rope
+
+        return _numpy(tensor.view(torch.int16)).view(ml_dtypes.bfloat16)
+    return _numpy(tensor)
+
+
+def _numpy(tensor: Any) -> Any:
     try:
         return tensor.numpy()
     except RuntimeError:

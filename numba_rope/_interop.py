@@ -76,14 +76,15 @@ _TORCH_INTEGERS = frozenset(
 def host_tensor(array: Any) -> bool:
     """Whether ``array`` is a plain torch tensor in CPU memory: ``torch.Tensor`` itself
     (no subclass), strided, not a ``torch.func`` transform's wrapper
-    (:func:`~numba_rope._autograd.transformed`), without torch's negative bit. False for anything else (torch is imported only for a torch object)."""
+    (:func:`~numba_rope._autograd.transformed`), without torch's negative bit. False
+    for anything else (torch is imported only for a torch object)."""
     if not is_torch(array):
         return False
     import torch
 
     return (
         type(array) is torch.Tensor
-        and array.device.type == "cpu"
+        and array.is_cpu
         and array.layout is torch.strided
         and not array.is_neg()
         and not transformed(array)
@@ -102,6 +103,23 @@ def host_integers(array: Any) -> bool:
     if type(array) is np.ndarray:
         return array.dtype.kind in "iu"
     return host_tensor(array) and str(array.dtype) in _TORCH_INTEGERS
+
+
+def over_batch(cos: Any, sin: Any, batch: int | None) -> tuple[Any, Any]:
+    """One-row caches ``[1, seq_len, half]`` broadcast over ``batch`` sequences (views:
+    ``expand`` for torch tensors, ``numpy.broadcast_to`` for NumPy arrays), or the
+    caches as they are (``batch`` None).
+
+    >>> import numpy as np
+    >>> over_batch(np.ones((1, 5, 4)), np.zeros((1, 5, 4)), 3)[0].shape
+    (3, 5, 4)
+    """
+    if batch is None:
+        return cos, sin
+    shape = (batch, *cos.shape[1:])
+    if is_torch(cos):
+        return cos.expand(shape), sin.expand(shape)
+    return np.broadcast_to(cos, shape), np.broadcast_to(sin, shape)
 
 
 def to_host(array: Any) -> np.ndarray:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from numba_rope._halves import first_half
-from numba_rope._interop import is_torch, like
+from numba_rope._interop import is_torch, like, over_batch
 from numba_rope.rotary import rotary_embedding_qk
 
 __all__ = ["apply_rotary_pos_emb"]
@@ -154,7 +154,7 @@ def apply_rotary_pos_emb(
             return numba_rope.torch.rotary_embedding_qk(
                 q,
                 k,
-                *_over_batch(first_half(cos, "cos"), first_half(sin, "sin"), batch),
+                *over_batch(first_half(cos, "cos"), first_half(sin, "sin"), batch),
                 ids,
                 rotary_embedding_dim=rotary_dim,
                 layout=layout,
@@ -171,19 +171,8 @@ def apply_rotary_pos_emb(
     return rotary_embedding_qk(
         q,
         k,
-        *_over_batch(first_half(cos, "cos"), first_half(sin, "sin"), batch),
+        *over_batch(first_half(cos, "cos"), first_half(sin, "sin"), batch),
         ids,
         rotary_embedding_dim=rotary_dim,
         layout=layout,
     )
-
-
-def _over_batch(cos: Any, sin: Any, batch: int | None) -> tuple[Any, Any]:
-    """One-row caches ``[1, seq_len, half]`` broadcast over ``batch`` sequences (views),
-    or the caches as they are (``batch`` None)."""
-    if batch is None:
-        return cos, sin
-    shape = (batch, *cos.shape[1:])
-    if is_torch(cos):
-        return cos.expand(shape), sin.expand(shape)
-    return np.broadcast_to(cos, shape), np.broadcast_to(sin, shape)

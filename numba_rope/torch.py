@@ -44,7 +44,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from numba_rope._autograd import numpy_view
 from numba_rope._halves import first_half
+from numba_rope._interop import over_batch
 from numba_rope.rotary import rotary_embedding as _rotate_one
 from numba_rope.rotary import rotary_embedding_qk as _rotate_two
 
@@ -81,30 +83,12 @@ def _caches(cos: Tensor, sin: Tensor, full_width: bool) -> tuple[Any, Any]:
         return cos, sin
     if cos.is_cpu and sin.is_cpu:
         try:
-            cos_view, sin_view = _host_view(cos), _host_view(sin)
+            cos_view, sin_view = numpy_view(cos), numpy_view(sin)
         except (TypeError, RuntimeError):  # not strided, a negative bit, no NumPy dtype
             pass
         else:
             return first_half(cos_view, "cos"), first_half(sin_view, "sin")
     return first_half(cos, "cos"), first_half(sin, "sin")
-
-
-def _host_view(tensor: Tensor) -> np.ndarray:
-    """``tensor.numpy()``; bfloat16 as ``ml_dtypes.bfloat16``, through ``int16``."""
-    if tensor.dtype is torch.bfloat16:
-        import ml_dtypes
-
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return tensor.numpy()
-
-
-def _over_batch(cache: Any, batch: int) -> Any:
-    """A one-row cache ``[1, seq_len, half]`` broadcast over ``batch`` sequences (a
-    view; a tensor or a NumPy array)."""
-    shape = (batch, *cache.shape[1:])
-    if isinstance(cache, np.ndarray):
-        return np.broadcast_to(cache, shape)
-    return cache.expand(shape)
 
 
 def _rotary_impl(
@@ -160,7 +144,7 @@ def _rotary_qk_impl(
     if full_width and len(cos.shape) == 3 and cos.shape[0] == 1 and q.shape[0] != 1:
         # Hugging Face's one table for the batch, checked and halved once, then
         # broadcast over the batch (a view).
-        cos, sin = _over_batch(cos, q.shape[0]), _over_batch(sin, q.shape[0])
+        cos, sin = over_batch(cos, sin, q.shape[0])
     q, k, position_ids = _unrecorded(q, k, position_ids)
     return _rotate_two(
         q,

@@ -59,10 +59,8 @@ def host_view(tensor: Any, argument: str) -> np.ndarray:
                 f"{argument}.resolve_neg().resolve_conj(), a copy) and copy it back"
             )
         tensor = tensor.resolve_neg().resolve_conj()  # a copy of the values it means
-    if tensor.requires_grad:  # (under torch.no_grad(): numpy() refuses such a tensor)
+    if tensor.requires_grad:  # (here only under torch.no_grad(), where numpy() takes it)
         tensor = tensor.detach()  # not for the others: a new tensor object, 0.3 us
-    if tensor.dtype is torch.bfloat16:
-        return bfloat16_view(tensor)
     try:
         return numpy_view(tensor)
     except TypeError:  # a dtype NumPy has no type for (float8, complex32, ...)
@@ -87,7 +85,7 @@ def plain_views(arrays: tuple) -> list | None:
     for torch CPU tensors, which then make the NumPy call on them (its plans
     included). ``Tensor.numpy()`` refuses the layouts other than strided and the
     negative and conjugate bits itself (as ``Tensor.view`` to ``int16`` does for
-    bfloat16), so they are not tested first (0.2 us a tensor); a tensor that requires
+    bfloat16, :func:`~numba_rope._autograd.numpy_view`), so they are not tested first (0.2 us a tensor); a tensor that requires
     grad is, since ``Tensor.numpy()`` takes it under ``torch.no_grad()``."""
     import torch
 
@@ -109,21 +107,12 @@ def plain_views(arrays: tuple) -> list | None:
             ):
                 return None
             try:
-                view = bfloat16_view(array) if array.dtype is bfloat16 else array.numpy()
+                view = numpy_view(array) if array.dtype is bfloat16 else array.numpy()
             except (TypeError, RuntimeError):  # no NumPy dtype, not strided, a negative
                 return None  # or conjugate bit, a torch.func wrapper (host_view names them)
             seen[id(array)] = view
         views.append(view)
     return views
-
-
-def bfloat16_view(tensor: Any) -> np.ndarray:
-    """A NumPy view of a bfloat16 tensor's memory, as ``ml_dtypes.bfloat16`` (through
-    an ``int16`` view: NumPy has no bfloat16 of its own)."""
-    import ml_dtypes  # not at import time: it costs more than the rest of numba_rope
-    import torch
-
-    return numpy_view(tensor.view(torch.int16)).view(ml_dtypes.bfloat16)
 
 
 def result_of(x: Any, out: Any, result: np.ndarray) -> Any:
