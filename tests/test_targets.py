@@ -14,7 +14,9 @@ stores are converted into registers, never into memory, on every target but
 sapphirerapids (interleaved rows included, whose 512-bit vectors once aborted LLVM on
 AVX2); interleaved rows taken token by token rotate their pairs as they lie, with
 ``vaddsubps`` on AVX2; and float32 rows into another array prefetch rows ahead,
-16-bit ones none."""
+16-bit ones none. And where this CPU can run haswell's code, its bfloat16 kernels run
+here, with the bits of the float64 reference's contract (an AVX-512 machine otherwise
+never runs an AVX2 machine's bfloat16 code)."""
 
 from __future__ import annotations
 
@@ -279,3 +281,69 @@ def test_kernels_compiled_for_other_x86_cpus_contain_no_fma(tmp_path, cpu):
         if variant.startswith("float16") and "streaming" not in variant:
             if cpu not in AVX512_FP16:
                 assert counts["float16 into memory"] == 0, f"{cpu} {variant}: vcvtps2ph to memory"
+
+
+RUN_SCRIPT = r"""
+import numpy as np
+import numba_rope
+from numba_rope import config, reference
+from ml_dtypes import bfloat16
+
+rng = np.random.default_rng(7)
+checked = 0
+# bfloat16 rows with bfloat16 caches (the word loops, in steps of 8 words on AVX2) and
+# with float32 caches: full and partial rotations whose pairs leave 0 or 8 past a
+# multiple of 16, interleaved and not, head by head and token by token, ordinary
+# stores and streamed ones (STREAMING_MIN_BYTES 0), in place.
+for cache_dtype in (bfloat16, np.float32):
+    for head, rotary, interleaved in ((128, 128, False), (64, 16, False), (96, 48, False),
+                                      (80, 80, False), (128, 128, True), (64, 48, True)):
+        for shape, positions in (((2, 3, 5, head), "ids"), ((6, 4, 1, head), "ids"),
+                                 ((2, 5, 3, head), "bshd")):
+            layout = "bshd" if positions == "bshd" else "bhsd"
+            x = rng.standard_normal(shape).astype(bfloat16)
+            angles = rng.uniform(-20, 20, (40, rotary // 2))
+            cos, sin = np.cos(angles).astype(cache_dtype), np.sin(angles).astype(cache_dtype)
+            tokens = shape[1] if layout == "bshd" else shape[2]
+            ids = rng.integers(0, 40, (shape[0], tokens))
+            options = dict(rotary_embedding_dim=rotary, interleaved=interleaved, layout=layout)
+            want = reference.rotary_embedding(x, cos, sin, ids, precision="contract", **options)
+            for streaming in (1 << 62, 0):
+                config.STREAMING_MIN_BYTES = streaming
+                got = numba_rope.rotary_embedding(x, cos, sin, ids, **options)
+                assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), (
+                    cache_dtype, head, rotary, interleaved, shape, streaming)
+                inplace = x.copy()
+                numba_rope.rotary_embedding(inplace, cos, sin, ids, out=inplace, **options)
+                assert np.array_equal(inplace.view(np.uint16), want.view(np.uint16))
+                checked += 1
+print(checked)
+"""
+
+#: The features of LLVM's haswell, which this machine must have to run its code.
+HASWELL_FEATURES = {"avx", "avx2", "fma", "f16c", "bmi", "bmi2", "lzcnt", "movbe", "popcnt"}
+
+
+@pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64")
+    or not HASWELL_FEATURES
+    <= {f[1:] for f in binding.get_host_cpu_features().flatten().split(",") if f[0] == "+"},
+    reason="runs haswell's code: needs an x86 CPU with its features",
+)
+def test_bfloat16_code_for_avx2_runs_with_the_contracts_bits(tmp_path):
+    # Where this CPU has AVX-512, the kernels it runs are not the ones an AVX2 machine
+    # gets (bfloat16 word steps of 8, vector.NARROW_WORD_WIDTHS; the integer rounding):
+    # compiled for haswell in a subprocess and run here, they give the bits of the
+    # float64 reference's contract, exact (one rounding per operation, no FMA), on
+    # every CPU that can run them.
+    env = {
+        **os.environ,
+        "NUMBA_CPU_NAME": "haswell",
+        "NUMBA_CPU_FEATURES": "",
+        "NUMBA_CACHE_DIR": str(tmp_path),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", RUN_SCRIPT], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.strip().splitlines()[-1]) == 2 * 6 * 3 * 2
