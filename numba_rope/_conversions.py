@@ -364,6 +364,7 @@ _AVX512_CPUS = _BF16_CPUS | {
     "icelake-server",
     "tigerlake",
     "rocketlake",
+    "x86-64-v4",
 }
 
 
@@ -381,14 +382,24 @@ _FP16_CPUS = frozenset(
 
 #: LLVM CPU names that have F16C.
 _F16C_CPUS = _AVX512_CPUS | frozenset(
-    "ivybridge haswell broadwell skylake alderlake raptorlake meteorlake arrowlake "
-    "lunarlake znver1 znver2 znver3 znver5 bdver2 bdver3 bdver4 x86-64-v3 x86-64-v4".split()
+    "ivybridge core-avx-i haswell core-avx2 broadwell skylake alderlake gracemont "
+    "raptorlake meteorlake arrowlake lunarlake sierraforest grandridge clearwaterforest "
+    "znver1 znver2 znver3 znver5 btver2 bdver2 bdver3 bdver4 x86-64-v3".split()
 )
 
 
 def has_f16c(context) -> bool:
     """Whether the CPU target of ``context`` has F16C (which implies AVX)."""
     return _target_has(context, ("+f16c",), _F16C_CPUS)
+
+
+#: LLVM CPU names that have AVX.
+_AVX_CPUS = _F16C_CPUS | frozenset({"sandybridge", "corei7-avx", "bdver1"})
+
+
+def has_avx(context) -> bool:
+    """Whether the CPU target of ``context`` has AVX (256-bit vector registers)."""
+    return _target_has(context, ("+avx",), _AVX_CPUS)
 
 
 def has_float16_arithmetic(context) -> bool:

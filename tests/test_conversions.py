@@ -24,6 +24,7 @@ from numba_rope._conversions import (
     bfloat16_pair_vector_code,
     bfloat16_vector_code,
     float16_integer_code,
+    has_avx,
     has_avx512,
     has_bfloat16_instructions,
     has_f16c,
@@ -452,10 +453,10 @@ def test_avx512_follows_the_target():
     assert has_avx512(_Context("+avx512f,+avx512vl,+avx512bw"))
     assert not has_avx512(_Context("+avx512f,-avx512vl"))
     assert not has_avx512(_Context("+avx2,+f16c", "skylake-avx512"))
-    for name in ("skylake-avx512", "icelake-server", "znver4", "sapphirerapids"):
+    for name in ("skylake-avx512", "icelake-server", "znver4", "sapphirerapids", "x86-64-v4"):
         assert has_avx512(_Context("", name)), name
-    assert not has_avx512(_Context("", "haswell"))
-    assert not has_avx512(_Context("", "znver3"))
+    for name in ("haswell", "znver3", "x86-64-v3"):
+        assert not has_avx512(_Context("", name)), name
 
 
 def test_f16c_follows_the_target():
@@ -465,8 +466,21 @@ def test_f16c_follows_the_target():
     assert not has_f16c(_Context("+avx,-f16c"))
     for name in ("haswell", "znver3", "skylake-avx512", "znver4", "sapphirerapids"):
         assert has_f16c(_Context("", name)), name
-    assert not has_f16c(_Context("", "x86-64"))
-    assert not has_f16c(_Context("", "generic"))
+    for name in ("ivybridge", "btver2", "x86-64-v3", "x86-64-v4"):
+        assert has_f16c(_Context("", name)), name
+    for name in ("x86-64", "x86-64-v2", "generic", "sandybridge", "nehalem", "goldmont"):
+        assert not has_f16c(_Context("", name)), name
+
+
+def test_avx_follows_the_target():
+    # As test_bfloat16_instructions_follow_the_target: AVX (the vector register width
+    # of the kernels' inline assembly, numba_rope._cpu.vector._Stream.in_registers).
+    assert has_avx(_Context("+sse2,+avx,-avx2"))
+    assert not has_avx(_Context("+sse2,+sse4.2,-avx"))
+    for name in ("sandybridge", "ivybridge", "haswell", "znver3", "znver4", "x86-64-v3"):
+        assert has_avx(_Context("", name)), name
+    for name in ("x86-64", "x86-64-v2", "generic", "nehalem", "goldmont"):
+        assert not has_avx(_Context("", name)), name
 
 
 def test_float_storage_passes_through():

@@ -33,6 +33,7 @@ from numba_rope._conversions import (
     bfloat16_pair_vector_code,
     bfloat16_vector_code,
     float16_integer_code,
+    has_avx,
     has_avx512,
     has_bfloat16_instructions,
     has_f16c,
@@ -155,6 +156,8 @@ class _Stream:
         self.avx512 = has_avx512(context)
         self.bfloat16_instructions = has_bfloat16_instructions(context)
         self.float16_in_register = has_f16c(context) and not self.float16_arithmetic
+        #: The widest vector register: AVX-512's, AVX's, SSE's.
+        self.register_bits = 512 if self.avx512 else 256 if has_avx(context) else 128
         self.pair_constants = {}
         #: The steps of the bfloat16 word loops and of their widened cache rows.
         self.word_widths = WORD_WIDTHS if self.avx512 else NARROW_WORD_WIDTHS
@@ -227,12 +230,13 @@ class _Stream:
 
     def in_registers(self, vector):
         """``vector`` passed through an empty inline assembly statement, a register's
-        worth at a time (256 bits, 512 with AVX-512: a wider operand cannot be
-        allocated, and LLVM aborts), so that LLVM keeps it in registers there.
+        worth at a time (:attr:`register_bits`: a wider operand cannot be allocated,
+        and LLVM ends the process, "couldn't allocate output register for constraint
+        'v'"), so that LLVM keeps it in registers there.
         Vectors narrower than 128 bits, or of lanes not a power of two, are returned
         as they are (the vector steps make none)."""
         lanes, width = vector.type.count, vector.type.element.width
-        piece = (512 if self.avx512 else 256) // width
+        piece = self.register_bits // width
         if lanes * width < 128 or lanes & (lanes - 1):
             return vector
         if lanes <= piece:
