@@ -6,7 +6,8 @@ receive these arrays as 16-bit integer views. The integer type tells the format:
 ==============  ==================  ===============================================
 storage dtype   numerical format    widening / narrowing
 ==============  ==================  ===============================================
-``uint16``      IEEE float16        LLVM ``half``: ``fpext`` / ``fptrunc`` (F16C)
+``uint16``      IEEE float16        LLVM ``half``: ``fpext`` / ``fptrunc`` (F16C),
+                                    integer code on CPUs without F16C
 ``int16``       bfloat16            shift by 16 / round to nearest even in integers
 ``float32``     float32             none
 ``float64``     float64             none
@@ -73,6 +74,85 @@ def _float32_to_float16(builder, value):
     return builder.bitcast(half, _shaped(value, _I16))
 
 
+# float16 without F16C. LLVM lowers ``fpext`` / ``fptrunc`` of ``half`` on such a target
+# (an x86-64 CPU before Ivy Bridge or Piledriver, an Atom or a Pentium without AVX, a
+# virtual CPU such as QEMU's default, ``NUMBA_CPU_NAME=generic``) to calls of
+# compiler-rt's ``__extendhfsf2`` / ``__truncsfhf2``, which numba's JIT cannot resolve:
+# "LLVM ERROR: Symbol not found", and the process aborts. These two take integer and
+# float32 operations only, scalars or vectors, and give F16C's bits: widening exact,
+# a NaN quieted, its payload kept; narrowing to nearest even (the float32 addition
+# below rounds in MXCSR's mode, to nearest even, never changed by the package), with
+# overflow to infinity and a NaN quieted, its payload's upper ten bits kept.
+
+
+def _float16_to_float32_without_f16c(builder, bits):
+    """:func:`_float16_to_float32` without F16C."""
+    wide = builder.zext(bits, _shaped(bits, _I32))
+
+    def constant(number):
+        return _constant(wide, number)
+
+    magnitude = builder.shl(builder.and_(wide, constant(0x7FFF)), constant(13))
+    exponent = builder.and_(magnitude, constant(0x0F800000))
+    rebiased = builder.add(magnitude, constant(112 << 23))  # float16's bias 15, float32's 127
+    # Infinity and NaN: the largest exponent, 255, the payload as it is, a NaN quieted.
+    nan = builder.icmp_unsigned(">", magnitude, constant(0x0F800000))
+    quiet = builder.select(nan, constant(0x00400000), constant(0))
+    special = builder.or_(builder.add(rebiased, constant(112 << 23)), quiet)
+    # Zero and subnormal: m * 2**-24, as (1 + m/1024) * 2**-14 - 2**-14, exact.
+    float32 = _shaped(bits, ir.FloatType())
+    offset = builder.bitcast(builder.add(rebiased, constant(1 << 23)), float32)
+    smallest_normal = builder.bitcast(constant(113 << 23), float32)
+    small = builder.bitcast(builder.fsub(offset, smallest_normal), _shaped(bits, _I32))
+    result = builder.select(
+        builder.icmp_unsigned("==", exponent, constant(0x0F800000)),
+        special,
+        builder.select(builder.icmp_unsigned("==", exponent, constant(0)), small, rebiased),
+    )
+    sign = builder.shl(builder.and_(wide, constant(0x8000)), constant(16))
+    return builder.bitcast(builder.or_(result, sign), float32)
+
+
+def _float32_to_float16_without_f16c(builder, value):
+    """:func:`_float32_to_float16` without F16C."""
+    bits = builder.bitcast(value, _shaped(value, _I32))
+
+    def constant(number):
+        return _constant(bits, number)
+
+    sign = builder.and_(bits, constant(0x80000000))
+    magnitude = builder.xor(bits, sign)
+    # Normal results (2**-14 <= |value| < 65536): rebias the exponent, round the 13
+    # bits dropped to nearest even (0xFFF plus the lowest kept bit; a carry goes into
+    # the exponent, up to infinity).
+    lowest_kept = builder.and_(builder.lshr(magnitude, constant(13)), constant(1))
+    rebiased = builder.add(magnitude, constant((-112 << 23) & 0xFFFFFFFF))
+    normal = builder.lshr(
+        builder.add(rebiased, builder.add(constant(0xFFF), lowest_kept)), constant(13)
+    )
+    # Subnormal results and zero (|value| < 2**-14): |value| + 0.5 rounds to a multiple
+    # of 2**-24, float16's subnormal step, in the float32 unit; its bits past 0.5's are
+    # the result (0x400, the smallest normal, where it rounds up).
+    float32 = _shaped(value, ir.FloatType())
+    half = builder.bitcast(constant(0x3F000000), float32)
+    shifted = builder.fadd(builder.bitcast(magnitude, float32), half)
+    small = builder.sub(builder.bitcast(shifted, _shaped(value, _I32)), constant(0x3F000000))
+    # |value| >= 65536 and infinity: infinity; NaN: quiet, the payload's upper bits.
+    payload = builder.and_(builder.lshr(magnitude, constant(13)), constant(0x3FF))
+    large = builder.select(
+        builder.icmp_unsigned(">", magnitude, constant(0x7F800000)),
+        builder.or_(payload, constant(0x7E00)),
+        constant(0x7C00),
+    )
+    result = builder.select(
+        builder.icmp_unsigned(">=", magnitude, constant(0x47800000)),
+        large,
+        builder.select(builder.icmp_unsigned("<", magnitude, constant(113 << 23)), small, normal),
+    )
+    merged = builder.or_(result, builder.lshr(sign, constant(16)))
+    return builder.trunc(merged, _shaped(value, _I16))
+
+
 def _bfloat16_to_float32(builder, bits):
     wide = builder.zext(bits, _shaped(bits, _I32))
     return builder.bitcast(builder.shl(wide, _constant(bits, 16)), _shaped(bits, ir.FloatType()))
@@ -120,26 +200,37 @@ def _float32_to_bfloat16(builder, value):
     return builder.trunc(rounded, _shaped(value, _I16))
 
 
-#: Per storage type: (widening, narrowing) of a 16-bit format.
+#: Per storage type: (widening, narrowing) of a 16-bit format, on targets with F16C.
 _HALF_FORMATS = {
     types.uint16: (_float16_to_float32, _float32_to_float16),
     types.int16: (_bfloat16_to_float32, _float32_to_bfloat16),
 }
+#: The same on targets without it (see :func:`_float16_to_float32_without_f16c`).
+_HALF_FORMATS_WITHOUT_F16C = {
+    **_HALF_FORMATS,
+    types.uint16: (_float16_to_float32_without_f16c, _float32_to_float16_without_f16c),
+}
 
 
-def widen_code(builder, numba_type, value):
+def _half_formats(context):
+    """:data:`_HALF_FORMATS` for the CPU target of ``context``."""
+    return _HALF_FORMATS if has_f16c(context) else _HALF_FORMATS_WITHOUT_F16C
+
+
+def widen_code(context, builder, numba_type, value):
     """LLVM code of :func:`widen` for a stored value (scalar or vector) of ``numba_type``
-    (a 16-bit storage type, float32 or float64)."""
+    (a 16-bit storage type, float32 or float64), for the CPU target of ``context``."""
     if numba_type in _HALF_FORMATS:
-        return _HALF_FORMATS[numba_type][0](builder, value)
+        return _half_formats(context)[numba_type][0](builder, value)
     return value
 
 
-def narrow_code(builder, numba_type, value):
+def narrow_code(context, builder, numba_type, value):
     """LLVM code of :func:`narrow_like` for a float32 (or float64 into float64) value,
-    scalar or vector, into elements of ``numba_type``."""
+    scalar or vector, into elements of ``numba_type``, for the CPU target of
+    ``context``."""
     if numba_type in _HALF_FORMATS:
-        return _HALF_FORMATS[numba_type][1](builder, value)
+        return _half_formats(context)[numba_type][1](builder, value)
     return value
 
 
@@ -151,9 +242,8 @@ def widen(typingctx, value):
     compile (inlining numba IR is most of the compile time of these kernels).
     """
     if value in _HALF_FORMATS:
-        to_float32 = _HALF_FORMATS[value][0]
-        return types.float32(value), lambda context, builder, sig, args: to_float32(
-            builder, args[0]
+        return types.float32(value), lambda context, builder, sig, args: widen_code(
+            context, builder, value, args[0]
         )
     if value in (types.float32, types.float64):
         return value(value), lambda context, builder, sig, args: args[0]
@@ -172,11 +262,10 @@ def narrow_like(typingctx, value, like):
         return None
     target = like.dtype
     if target in _HALF_FORMATS:
-        from_float32 = _HALF_FORMATS[target][1]
 
         def narrow(context, builder, sig, args):
             single = context.cast(builder, args[0], sig.args[0], types.float32)
-            return from_float32(builder, single)
+            return narrow_code(context, builder, target, single)
 
         return target(value, like), narrow
     if target in (types.float32, types.float64):

@@ -15,8 +15,14 @@ from numba.extending import intrinsic
 from oracles import BFLOAT16, bits
 
 from numba_rope._conversions import (
+    _HALF_FORMATS,
     BFLOAT16_STORAGE,
     FLOAT16_STORAGE,
+    _float16_to_float32,
+    _float16_to_float32_without_f16c,
+    _float32_to_float16,
+    _float32_to_float16_without_f16c,
+    _half_formats,
     _target_has,
     bfloat16_high,
     bfloat16_low,
@@ -491,3 +497,116 @@ def test_float_storage_passes_through():
     out32 = np.empty(2, np.float32)
     _narrow_all(values, out32)
     np.testing.assert_array_equal(out32, values.astype(np.float32))
+
+
+def _converter(convert, source, target, lanes):
+    """A function that converts ``values`` (``source`` elements) into ``out`` (``target``
+    elements) ``lanes`` at a time (1: scalars) with ``convert(builder, value)``."""
+    source_ir, target_ir = (cpu_target.target_context.get_value_type(t) for t in (source, target))
+    if lanes > 1:
+        source_ir, target_ir = ir.VectorType(source_ir, lanes), ir.VectorType(target_ir, lanes)
+
+    @intrinsic
+    def step(typingctx, values, out, start):
+        def codegen(context, builder, signature, args):
+            def pointer(index, element):
+                array = context.make_array(signature.args[index])(context, builder, args[index])
+                return builder.bitcast(builder.gep(array.data, [args[2]]), element.as_pointer())
+
+            # (aligned as the elements: a vector's own alignment would be assumed)
+            loaded = builder.load(pointer(0, source_ir), align=source.bitwidth // 8)
+            stored = builder.store(convert(builder, loaded), pointer(1, target_ir))
+            stored.align = target.bitwidth // 8
+            return context.get_dummy_value()
+
+        return types.none(values, out, start), codegen
+
+    @njit
+    def run(values, out):
+        for start in range(0, values.size - lanes + 1, lanes):
+            step(values, out, start)
+
+    return run
+
+
+def _float16_widened(patterns):
+    """float16 bit patterns widened to float32 bit patterns, as F16C's ``vcvtph2ps``
+    does, written from the formats' definitions: exact, a NaN quieted (its payload
+    kept)."""
+    h = patterns.astype(np.int64)
+    sign, exponent, fraction = (h >> 15) << 31, (h >> 10) & 0x1F, h & 0x3FF
+    with np.errstate(all="ignore"):
+        magnitude = np.ldexp(fraction.astype(np.float64), -24)  # subnormal
+        magnitude = np.where(exponent > 0, np.ldexp(1 + fraction / 1024, exponent - 15), magnitude)
+    wide = magnitude.astype(np.float32).view(np.uint32)
+    special = exponent == 0x1F
+    wide = np.where(special, 0x7F800000 | (fraction << 13), wide)
+    wide = np.where(special & (fraction != 0), wide | 0x00400000, wide)
+    return (wide | sign).astype(np.uint32)
+
+
+def _float16_nans(values):
+    """float32 NaNs narrowed to float16 as F16C's ``vcvtps2ph`` does: quiet, of the same
+    sign, the payload's upper ten bits kept."""
+    b = values.view(np.uint32)
+    return ((b >> 16) & 0x8000 | 0x7E00 | (b >> 13) & 0x3FF).astype(np.uint16)
+
+
+@pytest.mark.parametrize("lanes", [1, 8, 16])
+def test_float16_without_f16c_widens_every_pattern(lanes):
+    # CPUs without F16C (x86-64 before Ivy Bridge or Piledriver, Atoms and Pentiums
+    # without AVX, QEMU's default virtual CPU, NUMBA_CPU_NAME=generic) widen float16 by
+    # integer code, where LLVM's fpext called a function numba cannot link (the process
+    # aborted): every pattern against the formats' definitions, signaling NaNs
+    # quieted; and, where this CPU has F16C, against its instruction, bit for bit.
+    patterns = ALL_PATTERNS.copy()
+    got = np.empty(patterns.size, np.float32)
+    _converter(_float16_to_float32_without_f16c, types.uint16, types.float32, lanes)(patterns, got)
+    np.testing.assert_array_equal(got.view(np.uint32), _float16_widened(patterns))
+    if has_f16c(cpu_target.target_context):
+        hardware = np.empty(patterns.size, np.float32)
+        _widen_all(patterns, hardware)
+        np.testing.assert_array_equal(got.view(np.uint32), hardware.view(np.uint32))
+
+
+@pytest.mark.parametrize("lanes", [1, 8, 16])
+def test_float16_without_f16c_rounds_like_numpy(rng, lanes):
+    # Narrowing by integer code (see test_float16_without_f16c_widens_every_pattern):
+    # to nearest even, ties, float16's subnormals and overflow to infinity included,
+    # as NumPy's cast; NaNs (signaling ones included: F16C quiets them) as F16C
+    # narrows them; and, where this CPU has F16C, as its instruction, bit for bit.
+    boundaries = np.array([0x38800000, 0x33000000, 0x477FE000, 0x477FF000, 0x47800000])
+    near = (boundaries[:, None] + np.arange(-4096, 4096)).ravel().astype(np.uint32)
+    signaling = np.array([0x7F800001, 0xFF800001, 0x7FA00000, 0x7F801FFF], np.uint32)
+    values = np.concatenate(
+        [_interesting_float32(rng), near.view(np.float32), signaling.view(np.float32)]
+    )
+    values = values[: values.size // lanes * lanes]
+    got = np.empty(values.size, np.uint16)
+    _converter(_float32_to_float16_without_f16c, types.float32, types.uint16, lanes)(values, got)
+    nan = np.isnan(values)
+    with np.errstate(all="ignore"):
+        want = values.astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    np.testing.assert_array_equal(got[nan], _float16_nans(values[nan]))
+    if has_f16c(cpu_target.target_context):
+        hardware = np.empty(values.size, np.uint16)
+        _converter(_float32_to_float16, types.float32, types.uint16, lanes)(values, hardware)
+        np.testing.assert_array_equal(got, hardware)
+
+
+def test_float16_code_follows_the_target():
+    # fpext / fptrunc of LLVM's half where the target has F16C; the integer code where
+    # it has not.
+    for context, hardware in (
+        (_Context("+avx,+f16c"), True),
+        (_Context("+sse2,-f16c"), False),
+        (_Context("", "x86-64"), False),
+        (_Context("", "haswell"), True),
+    ):
+        widening, narrowing = _half_formats(context)[types.uint16]
+        assert (widening is _float16_to_float32) == hardware
+        assert (narrowing is _float32_to_float16) == hardware
+        assert (widening is _float16_to_float32_without_f16c) != hardware
+        assert (narrowing is _float32_to_float16_without_f16c) != hardware
+        assert _half_formats(context)[types.int16] == _HALF_FORMATS[types.int16]

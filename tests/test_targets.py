@@ -16,7 +16,8 @@ AVX2); interleaved rows taken token by token rotate their pairs as they lie, wit
 ``vaddsubps`` on AVX2; and float32 rows into another array prefetch rows ahead,
 16-bit ones none. And where this CPU can run haswell's code, its bfloat16 kernels run
 here, with the bits of the float64 reference's contract (an AVX-512 machine otherwise
-never runs an AVX2 machine's bfloat16 code)."""
+never runs an AVX2 machine's bfloat16 code); so do the kernels of every dtype compiled
+for the oldest x86-64 (SSE2, no F16C), which every x86-64 CPU runs."""
 
 from __future__ import annotations
 
@@ -284,6 +285,7 @@ def test_kernels_compiled_for_other_x86_cpus_contain_no_fma(tmp_path, cpu):
 
 
 RUN_SCRIPT = r"""
+import sys
 import numpy as np
 import numba_rope
 from numba_rope import config, reference
@@ -291,34 +293,54 @@ from ml_dtypes import bfloat16
 
 rng = np.random.default_rng(7)
 checked = 0
-# bfloat16 rows with bfloat16 caches (the word loops, in steps of 8 words on AVX2) and
-# with float32 caches: full and partial rotations whose pairs leave 0 or 8 past a
-# multiple of 16, interleaved and not, head by head and token by token, ordinary
-# stores and streamed ones (STREAMING_MIN_BYTES 0), in place.
-for cache_dtype in (bfloat16, np.float32):
-    for head, rotary, interleaved in ((128, 128, False), (64, 16, False), (96, 48, False),
-                                      (80, 80, False), (128, 128, True), (64, 48, True)):
-        for shape, positions in (((2, 3, 5, head), "ids"), ((6, 4, 1, head), "ids"),
-                                 ((2, 5, 3, head), "bshd")):
-            layout = "bshd" if positions == "bshd" else "bhsd"
-            x = rng.standard_normal(shape).astype(bfloat16)
-            angles = rng.uniform(-20, 20, (40, rotary // 2))
-            cos, sin = np.cos(angles).astype(cache_dtype), np.sin(angles).astype(cache_dtype)
-            tokens = shape[1] if layout == "bshd" else shape[2]
-            ids = rng.integers(0, 40, (shape[0], tokens))
-            options = dict(rotary_embedding_dim=rotary, interleaved=interleaved, layout=layout)
-            want = reference.rotary_embedding(x, cos, sin, ids, precision="contract", **options)
-            for streaming in (1 << 62, 0):
-                config.STREAMING_MIN_BYTES = streaming
-                got = numba_rope.rotary_embedding(x, cos, sin, ids, **options)
-                assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), (
-                    cache_dtype, head, rotary, interleaved, shape, streaming)
-                inplace = x.copy()
-                numba_rope.rotary_embedding(inplace, cos, sin, ids, out=inplace, **options)
-                assert np.array_equal(inplace.view(np.uint16), want.view(np.uint16))
-                checked += 1
+# Inputs of the dtypes named in argv, with caches of their dtype and float32: full and
+# partial rotations whose pairs leave 0 or 8 past a multiple of 16 (bfloat16's word
+# loops take steps of 8 on AVX2), interleaved and not, head by head and token by
+# token, ordinary stores and streamed ones (STREAMING_MIN_BYTES 0), in place.
+for name in sys.argv[1].split(","):
+    dtype = bfloat16 if name == "bfloat16" else np.dtype(name)
+    for cache_dtype in dict.fromkeys(map(np.dtype, (dtype, np.float32))):
+        for head, rotary, interleaved in ((128, 128, False), (64, 16, False), (96, 48, False),
+                                          (80, 80, False), (128, 128, True), (64, 48, True)):
+            for shape, positions in (((2, 3, 5, head), "ids"), ((6, 4, 1, head), "ids"),
+                                     ((2, 5, 3, head), "bshd")):
+                layout = "bshd" if positions == "bshd" else "bhsd"
+                x = rng.standard_normal(shape).astype(dtype)
+                angles = rng.uniform(-20, 20, (40, rotary // 2))
+                cos = np.cos(angles).astype(cache_dtype)
+                sin = np.sin(angles).astype(cache_dtype)
+                tokens = shape[1] if layout == "bshd" else shape[2]
+                ids = rng.integers(0, 40, (shape[0], tokens))
+                options = dict(rotary_embedding_dim=rotary, interleaved=interleaved, layout=layout)
+                want = reference.rotary_embedding(x, cos, sin, ids, precision="contract", **options)
+                bits = want.view(f"u{want.itemsize}")
+                for streaming in (1 << 62, 0):
+                    config.STREAMING_MIN_BYTES = streaming
+                    got = numba_rope.rotary_embedding(x, cos, sin, ids, **options)
+                    assert np.array_equal(got.view(bits.dtype), bits), (
+                        name, cache_dtype, head, rotary, interleaved, shape, streaming)
+                    inplace = x.copy()
+                    numba_rope.rotary_embedding(inplace, cos, sin, ids, out=inplace, **options)
+                    assert np.array_equal(inplace.view(bits.dtype), bits)
+                    checked += 1
 print(checked)
 """
+
+
+def _run_compiled_for(cpu, dtypes, cache):
+    """The number of calls RUN_SCRIPT checked with the kernels compiled for ``cpu``
+    (no features beyond its own) and run here, on inputs of ``dtypes``."""
+    env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": cache}
+    done = subprocess.run(
+        [sys.executable, "-c", RUN_SCRIPT, ",".join(dtypes)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return int(done.stdout.strip().splitlines()[-1])
+
 
 #: The features of LLVM's haswell, which this machine must have to run its code.
 HASWELL_FEATURES = {"avx", "avx2", "fma", "f16c", "bmi", "bmi2", "lzcnt", "movbe", "popcnt"}
@@ -336,14 +358,16 @@ def test_bfloat16_code_for_avx2_runs_with_the_contracts_bits(tmp_path):
     # compiled for haswell in a subprocess and run here, they give the bits of the
     # float64 reference's contract, exact (one rounding per operation, no FMA), on
     # every CPU that can run them.
-    env = {
-        **os.environ,
-        "NUMBA_CPU_NAME": "haswell",
-        "NUMBA_CPU_FEATURES": "",
-        "NUMBA_CACHE_DIR": str(tmp_path),
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", RUN_SCRIPT], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert int(done.stdout.strip().splitlines()[-1]) == 2 * 6 * 3 * 2
+    assert _run_compiled_for("haswell", ["bfloat16"], str(tmp_path)) == 2 * 6 * 3 * 2
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 code")
+def test_code_for_x86_64_without_avx_runs_with_the_contracts_bits(tmp_path):
+    # The oldest x86-64 (SSE2 only; no AVX, no F16C): every x86-64 CPU runs its code.
+    # Such CPUs are still sold (Atoms, Pentiums and Celerons without AVX) and virtual
+    # CPUs are masked so (QEMU's default model); NUMBA_CPU_NAME=generic compiles so
+    # too. float16 there once aborted the process (LLVM's fpext / fptrunc of half called
+    # compiler-rt functions numba cannot link: "LLVM ERROR: Symbol not found:
+    # __extendhfsf2"); its integer code (numba_rope._conversions) gives F16C's bits.
+    dtypes = ["float32", "float16", "bfloat16"]
+    assert _run_compiled_for("x86-64", dtypes, str(tmp_path)) == 1 * 6 * 3 * 2 + 2 * 2 * 6 * 3 * 2

@@ -149,6 +149,7 @@ class _Stream:
     non-temporal ones for streaming, in loops of :data:`VECTOR_WIDTHS`."""
 
     def __init__(self, context, builder):
+        self.context = context
         self.builder = builder
         self.intp = context.get_value_type(types.intp)
         self.nontemporal = builder.module.add_metadata([ir.Constant(_LANE, 1)])
@@ -171,7 +172,7 @@ class _Stream:
         loaded = self.builder.load(
             self.pointer(array, index, lanes), align=numba_type.bitwidth // 8
         )
-        return widen_code(self.builder, numba_type, loaded)
+        return widen_code(self.context, self.builder, numba_type, loaded)
 
     def nontemporal_store(self, value, pointer):
         """A non-temporal store, on :data:`STREAM_ALIGNMENT` bytes (which the caller
@@ -213,7 +214,7 @@ class _Stream:
         if numba_type == types.int16:  # bfloat16 elements
             narrowed = bfloat16_vector_code(self.builder, value, self.bfloat16_instructions)
         else:
-            narrowed = narrow_code(self.builder, numba_type, value)
+            narrowed = narrow_code(self.context, self.builder, numba_type, value)
         if nontemporal and numba_type == types.int16:
             # bfloat16 elements (rows with float32 caches; the words have their own
             # code): on AVX-512 LLVM folds the final truncation into a truncating store
