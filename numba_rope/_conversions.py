@@ -30,6 +30,7 @@ bit for bit: bfloat16 NaNs become the canonical quiet NaN of their sign, as
 
 from __future__ import annotations
 
+import platform
 from typing import NamedTuple
 
 import numpy as np
@@ -212,9 +213,18 @@ _HALF_FORMATS_WITHOUT_F16C = {
 }
 
 
+#: Whether numba compiles for x86 here (its JIT compiles for the machine it runs on),
+#: or for 64-bit Arm, whose every CPU converts float16 in hardware (``fcvt``).
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+ARM64 = platform.machine().lower() in ("aarch64", "arm64")
+
+
 def _half_formats(context):
-    """:data:`_HALF_FORMATS` for the CPU target of ``context``."""
-    return _HALF_FORMATS if has_f16c(context) else _HALF_FORMATS_WITHOUT_F16C
+    """:data:`_HALF_FORMATS` for the CPU target of ``context``: LLVM's ``half``
+    conversions on x86 with F16C and on 64-bit Arm, the integer code elsewhere (x86
+    without F16C; other machines, where LLVM may call compiler-rt too)."""
+    hardware = has_f16c(context) if X86 else ARM64
+    return _HALF_FORMATS if hardware else _HALF_FORMATS_WITHOUT_F16C
 
 
 def widen_code(context, builder, numba_type, value):

@@ -14,6 +14,7 @@ from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 from oracles import BFLOAT16, bits
 
+from numba_rope import _conversions as conversions
 from numba_rope._conversions import (
     _HALF_FORMATS,
     BFLOAT16_STORAGE,
@@ -595,15 +596,20 @@ def test_float16_without_f16c_rounds_like_numpy(rng, lanes):
         np.testing.assert_array_equal(got, hardware)
 
 
-def test_float16_code_follows_the_target():
-    # fpext / fptrunc of LLVM's half where the target has F16C; the integer code where
-    # it has not.
-    for context, hardware in (
-        (_Context("+avx,+f16c"), True),
-        (_Context("+sse2,-f16c"), False),
-        (_Context("", "x86-64"), False),
-        (_Context("", "haswell"), True),
-    ):
+def test_float16_code_follows_the_target(monkeypatch):
+    # fpext / fptrunc of LLVM's half on x86 targets with F16C and on 64-bit Arm (fcvt);
+    # the integer code on x86 without F16C and on other machines.
+    cases = [
+        (True, False, _Context("+avx,+f16c"), True),
+        (True, False, _Context("+sse2,-f16c"), False),
+        (True, False, _Context("", "x86-64"), False),
+        (True, False, _Context("", "haswell"), True),
+        (False, True, _Context("+neon,+fp-armv8"), True),
+        (False, False, _Context("+altivec"), False),
+    ]
+    for x86, arm64, context, hardware in cases:
+        monkeypatch.setattr(conversions, "X86", x86)
+        monkeypatch.setattr(conversions, "ARM64", arm64)
         widening, narrowing = _half_formats(context)[types.uint16]
         assert (widening is _float16_to_float32) == hardware
         assert (narrowing is _float32_to_float16) == hardware

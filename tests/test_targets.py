@@ -17,7 +17,9 @@ AVX2); interleaved rows taken token by token rotate their pairs as they lie, wit
 16-bit ones none. And where this CPU can run haswell's code, its bfloat16 kernels run
 here, with the bits of the float64 reference's contract (an AVX-512 machine otherwise
 never runs an AVX2 machine's bfloat16 code); so do the kernels of every dtype compiled
-for the oldest x86-64 (SSE2, no F16C), which every x86-64 CPU runs."""
+for the oldest x86-64 (SSE2, no F16C), which every x86-64 CPU runs. Last, the kernels'
+code as numba_rope generates it on 64-bit Arm, compiled by LLVM for aarch64 (nothing
+runs): it compiles, without fused multiply-adds, float16 by ``fcvt``."""
 
 from __future__ import annotations
 
@@ -371,3 +373,106 @@ def test_code_for_x86_64_without_avx_runs_with_the_contracts_bits(tmp_path):
     # __extendhfsf2"); its integer code (numba_rope._conversions) gives F16C's bits.
     dtypes = ["float32", "float16", "bfloat16"]
     assert _run_compiled_for("x86-64", dtypes, str(tmp_path)) == 1 * 6 * 3 * 2 + 2 * 2 * 6 * 3 * 2
+
+
+ARM64_SCRIPT = r"""
+import json, re
+import numpy as np
+import numba_rope._conversions as conversions
+import numba_rope._cpu.vector as vector
+
+# Code generated as on a 64-bit Arm machine (the choices numba_rope makes from the
+# machine it runs on), compiled by LLVM for aarch64: this machine cannot run it.
+conversions.X86, conversions.ARM64, vector.X86 = False, True, False
+import ctypes
+from llvmlite import binding
+
+# This machine's own code of float16 on Arm's terms (LLVM's half conversions, without
+# F16C here) calls compiler-rt, which numba cannot link: named, never called.
+never_called = ctypes.cast(ctypes.CDLL(None).abort, ctypes.c_void_p).value
+for name in ("__extendhfsf2", "__truncsfhf2"):
+    binding.add_symbol(name, never_called)
+from numba import typeof
+from numba_rope import _sincos
+from numba_rope._cpu.backend import storage_dtype
+from numba_rope._cpu.helper import _like
+from numba_rope._cpu.kernels import make_runner
+from numba_rope.bench import make_arrays
+
+binding.initialize_all_targets()
+binding.initialize_all_asmprinters()
+target = binding.Target.from_triple("aarch64-unknown-linux-gnu")
+machine = target.create_target_machine(cpu="neoverse-v1", opt=3)
+
+
+def aarch64(ir):
+    # numba's runtime (linked into every module, generated for this machine) holds the
+    # one x86 intrinsic of the module, in NRT_decref: replaced, as its code is not ours.
+    ir = re.sub(r"(%\S+) = tail call i8 @llvm\.x86\.atomic\.sub\.cc\.i64\([^)]*\)",
+                r"\1 = add i8 0, 0", ir)
+    ir = re.sub(r"declare i8 @llvm\.x86\.atomic\.sub\.cc\.i64.*", "", ir)
+    module = binding.parse_assembly(ir)
+    module.triple, module.data_layout = target.triple, str(machine.target_data)
+    return machine.emit_assembly(module)
+
+
+def counts(asm):
+    return {
+        "fma": len(re.findall(r"\bf(?:n?madd|n?msub|mla|mls)\b", asm)),
+        "float16 calls": len(re.findall(r"\b(?:__extendhfsf2|__truncsfhf2|__gnu_\w+)", asm)),
+        "fcvt": len(re.findall(r"\bfcvt[ln]?2?\b", asm)),
+    }
+
+
+report = {}
+for dtype in ("float32", "float16", "bfloat16"):
+    for cache in dict.fromkeys((dtype, "float32")):
+        for words in (False, True) if dtype == "bfloat16" and cache == dtype else (False,):
+            for streaming in (False, True):
+                for token_major, interleaved in ((False, False), (False, True), (True, False)):
+                    x, cos, sin, ids = make_arrays(np.random.default_rng(0), (1, 2, 3, 64), dtype)
+                    cos, sin = cos.astype(cache), sin.astype(cache)
+                    def view(a):
+                        storage = storage_dtype(a.dtype)
+                        return a if storage is None else a.view(storage)
+                    likes = (_like(view(x)), None, _like(view(cos)), _like(view(sin)), _like(ids))
+                    options = (interleaved, False, True, 0, words, streaming, token_major)
+                    run = make_runner(options, likes)
+                    name = f"{dtype} {cache} caches" + " words" * words
+                    name += " streaming" * streaming + " token-major" * token_major
+                    name += " interleaved" * interleaved
+                    report[name] = counts(aarch64(run._library.get_llvm_str()))
+table, row = _sincos._TABLE, np.zeros((2, 3))
+for name, kernel, arguments in (
+    ("cos/sin", _sincos._cos_sin_serial, (np.ones(3), row, row, table)),
+    ("cos/sin reduced", _sincos._reduced_kernel,
+     (np.zeros(3, np.int64), np.zeros(3), np.zeros(3), np.zeros(3), np.zeros(3), table)),
+):
+    signature = tuple(typeof(a) for a in arguments)
+    kernel.compile(signature)
+    report[name] = counts(aarch64(kernel.inspect_llvm(signature)))
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 host")
+def test_kernels_compile_for_64_bit_arm_with_the_contract(tmp_path):
+    # No Arm machine runs this suite: the kernels' code, generated as on one, compiled by
+    # LLVM for aarch64 (NUMBA_CPU_NAME=generic: no x86 features in it). Every kernel
+    # compiles (the empty inline assembly that keeps vectors in registers on x86 named
+    # no Arm register: LLVM ended the process on bfloat16 rows streamed), with no fused
+    # multiply-add, and float16 converts with fcvt, never a compiler-rt call.
+    env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", ARM64_SCRIPT], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    # float32; float16 with both caches; bfloat16 words, elements, float32 caches: 6 each
+    assert len(report) == 2 + 6 * (1 + 2 + 3), sorted(report)
+    print(report)
+    for variant, counts in report.items():
+        assert counts["fma"] == 0, f"aarch64 {variant}: fused multiply-add"
+        assert counts["float16 calls"] == 0, f"aarch64 {variant}: float16 by a library call"
+        if variant.startswith("float16") or " float16 caches" in variant:
+            assert counts["fcvt"] > 0, f"aarch64 {variant}: no fcvt"

@@ -17,7 +17,6 @@ operation and no contraction: a vector step gives the bits of the element loop.
 from __future__ import annotations
 
 import functools
-import platform
 
 import numba
 from llvmlite import ir
@@ -28,6 +27,7 @@ from numba.np.arrayobj import populate_array
 
 from numba_rope._conversions import (
     BFLOAT16_STORAGE,
+    X86,
     bfloat16_high_code,
     bfloat16_low_code,
     bfloat16_pair_vector_code,
@@ -235,10 +235,12 @@ class _Stream:
         and LLVM ends the process, "couldn't allocate output register for constraint
         'v'"), so that LLVM keeps it in registers there.
         Vectors narrower than 128 bits, or of lanes not a power of two, are returned
-        as they are (the vector steps make none)."""
+        as they are (the vector steps make none); so is every vector on other
+        machines than x86, whose folds into memory the statement is for (its ``v``
+        constraint names no register of 64-bit Arm: LLVM ended the process there)."""
         lanes, width = vector.type.count, vector.type.element.width
         piece = self.register_bits // width
-        if lanes * width < 128 or lanes & (lanes - 1):
+        if not X86 or lanes * width < 128 or lanes & (lanes - 1):
             return vector
         if lanes <= piece:
             barrier = ir.InlineAsm(ir.FunctionType(vector.type, [vector.type]), "", "=v,0")
@@ -988,9 +990,6 @@ def prefetch_rows(typingctx, x, x_offset, out, out_offset, nbytes):
     return types.void(x, x_offset, out, out_offset, nbytes), codegen
 
 
-_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-
-
 @intrinsic
 def store_fence(typingctx):
     """A store fence: non-temporal stores are weakly ordered, so each thread that made
@@ -1000,7 +999,7 @@ def store_fence(typingctx):
     fence elsewhere."""
 
     def codegen(context, builder, signature, args):
-        if _X86:
+        if X86:
             sfence = builder.module.declare_intrinsic(
                 "llvm.x86.sse.sfence", fnty=ir.FunctionType(ir.VoidType(), [])
             )
