@@ -389,7 +389,7 @@ from llvmlite import binding
 
 # This machine's own code of float16 on Arm's terms (LLVM's half conversions, without
 # F16C here) calls compiler-rt, which numba cannot link: named, never called.
-never_called = ctypes.cast(ctypes.CDLL(None).abort, ctypes.c_void_p).value
+never_called = ctypes.cast(ctypes.pythonapi.Py_IsInitialized, ctypes.c_void_p).value
 for name in ("__extendhfsf2", "__truncsfhf2"):
     binding.add_symbol(name, never_called)
 from numba import typeof
