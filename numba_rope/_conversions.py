@@ -6,8 +6,9 @@ receive these arrays as 16-bit integer views. The integer type tells the format:
 ==============  ==================  ===============================================
 storage dtype   numerical format    widening / narrowing
 ==============  ==================  ===============================================
-``uint16``      IEEE float16        LLVM ``half``: ``fpext`` / ``fptrunc`` (F16C),
-                                    integer code on CPUs without F16C
+``uint16``      IEEE float16        LLVM ``half``: ``fpext`` / ``fptrunc`` (F16C,
+                                    Arm's ``fcvt``); integer code on x86 without
+                                    F16C and other machines
 ``int16``       bfloat16            shift by 16 / round to nearest even in integers
 ``float32``     float32             none
 ``float64``     float64             none

@@ -390,8 +390,8 @@ from llvmlite import binding
 # This machine's own code of float16 on Arm's terms (LLVM's half conversions, without
 # F16C here) calls compiler-rt, which numba cannot link: named, never called.
 never_called = ctypes.cast(ctypes.pythonapi.Py_IsInitialized, ctypes.c_void_p).value
-for name in ("__extendhfsf2", "__truncsfhf2"):
-    binding.add_symbol(name, never_called)
+for name in ("__extendhfsf2", "__truncsfhf2", "__gnu_h2f_ieee", "__gnu_f2h_ieee"):
+    binding.add_symbol(name, never_called)  # (the last two: LLVM 14's names)
 from numba import typeof
 from numba_rope import _sincos
 from numba_rope._cpu.backend import storage_dtype
