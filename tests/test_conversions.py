@@ -298,22 +298,25 @@ def test_bfloat16_vector_words_round_like_one_element(rng, lanes, instructions):
     assert ("vcvtne2ps2bf16" in asm) == instructions
 
 
-def _narrower(lanes, convert):
-    """A function that narrows float32 ``values`` into float16 storage ``lanes`` at a
-    time with ``convert(context, builder, vector)``, the LLVM code under test."""
-    vector = ir.VectorType(ir.FloatType(), lanes)
-    stored = ir.VectorType(ir.IntType(16), lanes)
+def _converter(convert, source, target, lanes):
+    """A function that converts ``values`` (``source`` elements) into ``out`` (``target``
+    elements) ``lanes`` at a time (1: scalars) with ``convert(context, builder,
+    value)``, the LLVM code under test."""
+    source_ir, target_ir = (cpu_target.target_context.get_value_type(t) for t in (source, target))
+    if lanes > 1:
+        source_ir, target_ir = ir.VectorType(source_ir, lanes), ir.VectorType(target_ir, lanes)
 
     @intrinsic
-    def narrow(typingctx, values, out, start):
+    def step(typingctx, values, out, start):
         def codegen(context, builder, signature, args):
-            def pointer(index, vector_type):
+            def pointer(index, element):
                 array = context.make_array(signature.args[index])(context, builder, args[index])
-                element = builder.gep(array.data, [args[2]])
-                return builder.bitcast(element, vector_type.as_pointer())
+                return builder.bitcast(builder.gep(array.data, [args[2]]), element.as_pointer())
 
-            loaded = builder.load(pointer(0, vector), align=4)
-            builder.store(convert(context, builder, loaded), pointer(1, stored), align=2)
+            # (aligned as the elements: a vector's own alignment would be assumed)
+            loaded = builder.load(pointer(0, source_ir), align=source.bitwidth // 8)
+            stored = builder.store(convert(context, builder, loaded), pointer(1, target_ir))
+            stored.align = target.bitwidth // 8
             return context.get_dummy_value()
 
         return types.none(values, out, start), codegen
@@ -321,9 +324,15 @@ def _narrower(lanes, convert):
     @njit
     def run(values, out):
         for start in range(0, values.size - lanes + 1, lanes):
-            narrow(values, out, start)
+            step(values, out, start)
 
     return run
+
+
+def _narrower(lanes, convert):
+    """A function that narrows float32 ``values`` into float16 storage ``lanes`` at a
+    time with ``convert(context, builder, vector)``, the LLVM code under test."""
+    return _converter(convert, types.float32, types.uint16, lanes)
 
 
 def _float16_integer_narrower(lanes):
@@ -500,34 +509,9 @@ def test_float_storage_passes_through():
     np.testing.assert_array_equal(out32, values.astype(np.float32))
 
 
-def _converter(convert, source, target, lanes):
-    """A function that converts ``values`` (``source`` elements) into ``out`` (``target``
-    elements) ``lanes`` at a time (1: scalars) with ``convert(builder, value)``."""
-    source_ir, target_ir = (cpu_target.target_context.get_value_type(t) for t in (source, target))
-    if lanes > 1:
-        source_ir, target_ir = ir.VectorType(source_ir, lanes), ir.VectorType(target_ir, lanes)
-
-    @intrinsic
-    def step(typingctx, values, out, start):
-        def codegen(context, builder, signature, args):
-            def pointer(index, element):
-                array = context.make_array(signature.args[index])(context, builder, args[index])
-                return builder.bitcast(builder.gep(array.data, [args[2]]), element.as_pointer())
-
-            # (aligned as the elements: a vector's own alignment would be assumed)
-            loaded = builder.load(pointer(0, source_ir), align=source.bitwidth // 8)
-            stored = builder.store(convert(builder, loaded), pointer(1, target_ir))
-            stored.align = target.bitwidth // 8
-            return context.get_dummy_value()
-
-        return types.none(values, out, start), codegen
-
-    @njit
-    def run(values, out):
-        for start in range(0, values.size - lanes + 1, lanes):
-            step(values, out, start)
-
-    return run
+def _without_context(code):
+    """``code(builder, value)`` as :func:`_converter` calls it."""
+    return lambda context, builder, value: code(builder, value)
 
 
 def _float16_widened(patterns):
@@ -562,7 +546,9 @@ def test_float16_without_f16c_widens_every_pattern(lanes):
     # quieted; and, where this CPU has F16C, against its instruction, bit for bit.
     patterns = ALL_PATTERNS.copy()
     got = np.empty(patterns.size, np.float32)
-    _converter(_float16_to_float32_without_f16c, types.uint16, types.float32, lanes)(patterns, got)
+    _converter(
+        _without_context(_float16_to_float32_without_f16c), types.uint16, types.float32, lanes
+    )(patterns, got)
     np.testing.assert_array_equal(got.view(np.uint32), _float16_widened(patterns))
     if has_f16c(cpu_target.target_context):
         hardware = np.empty(patterns.size, np.float32)
@@ -584,7 +570,7 @@ def test_float16_without_f16c_rounds_like_numpy(rng, lanes):
     )
     values = values[: values.size // lanes * lanes]
     got = np.empty(values.size, np.uint16)
-    _converter(_float32_to_float16_without_f16c, types.float32, types.uint16, lanes)(values, got)
+    _narrower(lanes, _without_context(_float32_to_float16_without_f16c))(values, got)
     nan = np.isnan(values)
     with np.errstate(all="ignore"):
         want = values.astype(np.float16).view(np.uint16)
@@ -592,7 +578,7 @@ def test_float16_without_f16c_rounds_like_numpy(rng, lanes):
     np.testing.assert_array_equal(got[nan], _float16_nans(values[nan]))
     if has_f16c(cpu_target.target_context):
         hardware = np.empty(values.size, np.uint16)
-        _converter(_float32_to_float16, types.float32, types.uint16, lanes)(values, hardware)
+        _narrower(lanes, _without_context(_float32_to_float16))(values, hardware)
         np.testing.assert_array_equal(got, hardware)
 
 

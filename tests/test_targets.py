@@ -46,6 +46,24 @@ AVX512 = {"skylake-avx512", "znver4", "sapphirerapids", MASKED_EMERALDRAPIDS}
 AVX512_BF16 = {"znver4", "sapphirerapids"}
 AVX512_FP16 = {"sapphirerapids"}
 
+#: A piece of the scripts below: rope_cache's two cos/sin kernels, compiled.
+SINCOS = r"""
+def sincos_kernels():
+    import numpy as np
+    from numba import typeof
+    from numba_rope import _sincos
+
+    table, row = _sincos._TABLE, np.zeros((2, 3))
+    for name, kernel, arguments in (
+        ("cos/sin", _sincos._cos_sin_serial, (np.ones(3), row, row, table)),
+        ("cos/sin reduced", _sincos._reduced_kernel,
+         (np.zeros(3, np.int64), np.zeros(3), np.zeros(3), np.zeros(3), np.zeros(3), table)),
+    ):
+        signature = tuple(typeof(a) for a in arguments)
+        kernel.compile(signature)
+        yield name, kernel, signature
+"""
+
 SCRIPT = r"""
 import json, re
 import numpy as np
@@ -167,19 +185,8 @@ for dtype, words, cache, streaming in (
         }
 # rope_cache's cos/sin: double-double arithmetic (Dekker's split and products), which a
 # fused multiply-add would silently change.
-from numba import typeof
-from numba_rope import _sincos
-
-table, row = _sincos._TABLE, np.zeros((2, 3))
-for name, kernel, arguments in (
-    ("cos/sin", _sincos._cos_sin_serial, (np.ones(3), row, row, table)),
-    ("cos/sin reduced", _sincos._reduced_kernel,
-     (np.zeros(3, np.int64), np.zeros(3), np.zeros(3), np.zeros(3), np.zeros(3), table)),
-):
-    signature = tuple(typeof(a) for a in arguments)
-    kernel.compile(signature)
-    asm = kernel.inspect_asm(signature)
-    report[name] = counts(asm)
+for name, kernel, signature in sincos_kernels():
+    report[name] = counts(kernel.inspect_asm(signature))
 print(json.dumps(report))
 """
 
@@ -195,7 +202,11 @@ def test_kernels_compiled_for_other_x86_cpus_contain_no_fma(tmp_path, cpu):
         "NUMBA_CACHE_DIR": str(tmp_path),  # never mix this target's code into the cache
     }
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", SINCOS + SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     if done.returncode and "is not a recognized processor" in done.stderr:
         # numba's oldest supported versions (0.60: LLVM 14) predate znver4 and
@@ -392,8 +403,6 @@ from llvmlite import binding
 never_called = ctypes.cast(ctypes.pythonapi.Py_IsInitialized, ctypes.c_void_p).value
 for name in ("__extendhfsf2", "__truncsfhf2", "__gnu_h2f_ieee", "__gnu_f2h_ieee"):
     binding.add_symbol(name, never_called)  # (the last two: LLVM 14's names)
-from numba import typeof
-from numba_rope import _sincos
 from numba_rope._cpu.backend import storage_dtype
 from numba_rope._cpu.helper import _like
 from numba_rope._cpu.kernels import make_runner
@@ -442,14 +451,7 @@ for dtype in ("float32", "float16", "bfloat16"):
                     name += " streaming" * streaming + " token-major" * token_major
                     name += " interleaved" * interleaved
                     report[name] = counts(aarch64(run._library.get_llvm_str()))
-table, row = _sincos._TABLE, np.zeros((2, 3))
-for name, kernel, arguments in (
-    ("cos/sin", _sincos._cos_sin_serial, (np.ones(3), row, row, table)),
-    ("cos/sin reduced", _sincos._reduced_kernel,
-     (np.zeros(3, np.int64), np.zeros(3), np.zeros(3), np.zeros(3), np.zeros(3), table)),
-):
-    signature = tuple(typeof(a) for a in arguments)
-    kernel.compile(signature)
+for name, kernel, signature in sincos_kernels():
     report[name] = counts(aarch64(kernel.inspect_llvm(signature)))
 print(json.dumps(report))
 """
@@ -464,7 +466,11 @@ def test_kernels_compile_for_64_bit_arm_with_the_contract(tmp_path):
     # multiply-add, and float16 converts with fcvt, never a compiler-rt call.
     env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CACHE_DIR": str(tmp_path)}
     done = subprocess.run(
-        [sys.executable, "-c", ARM64_SCRIPT], env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "-c", SINCOS + ARM64_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
