@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from numba_rope._autograd import numpy_view
+from numba_rope._autograd import forward_ad_active, numpy_view
 from numba_rope._halves import first_half
 from numba_rope._interop import over_batch
 from numba_rope.rotary import rotary_embedding as _rotate_one
@@ -64,8 +64,9 @@ Tensor = torch.Tensor
 def _unrecorded(*tensors: Tensor | None) -> list:
     """``tensors`` without what autograd records on them (``detach``), for the NumPy
     views of the implementation; a tensor with nothing to strip as it is (``detach``
-    makes a new tensor object, 0.3 us each)."""
-    forward = getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
+    makes a new tensor object, 0.3 us each). Where torch's forward-mode level cannot
+    be read, every tensor is detached (never wrong)."""
+    forward = forward_ad_active()
     return [
         tensor.detach() if tensor is not None and (forward or tensor.requires_grad) else tensor
         for tensor in tensors

@@ -191,23 +191,30 @@ print(json.dumps(report))
 """
 
 
+def _script_for(cpu, features, cache, script, *arguments):
+    """``script`` run in a Python of its own, numba compiling for ``cpu`` with
+    ``features`` (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES) into the cache folder ``cache``
+    (never mixing this target's code into another's): the finished process."""
+    env = {
+        **os.environ,
+        "NUMBA_CPU_NAME": cpu,
+        "NUMBA_CPU_FEATURES": features,
+        "NUMBA_CACHE_DIR": str(cache),
+    }
+    return subprocess.run(
+        [sys.executable, "-c", script, *arguments],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 targets")
 @pytest.mark.parametrize("cpu", TARGETS, ids=lambda cpu: cpu.replace(":", " ")[:28])
 def test_kernels_compiled_for_other_x86_cpus_contain_no_fma(tmp_path, cpu):
     name, _, features = cpu.partition(":")
-    env = {
-        **os.environ,
-        "NUMBA_CPU_NAME": name,
-        "NUMBA_CPU_FEATURES": features,
-        "NUMBA_CACHE_DIR": str(tmp_path),  # never mix this target's code into the cache
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", SINCOS + SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = _script_for(name, features, tmp_path, SINCOS + SCRIPT)
     if done.returncode and "is not a recognized processor" in done.stderr:
         # numba's oldest supported versions (0.60: LLVM 14) predate znver4 and
         # emeraldrapids; the code for such a CPU is then the code for its features.
@@ -343,14 +350,7 @@ print(checked)
 def _run_compiled_for(cpu, dtypes, cache):
     """The number of calls RUN_SCRIPT checked with the kernels compiled for ``cpu``
     (no features beyond its own) and run here, on inputs of ``dtypes``."""
-    env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": cache}
-    done = subprocess.run(
-        [sys.executable, "-c", RUN_SCRIPT, ",".join(dtypes)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    done = _script_for(cpu, "", cache, RUN_SCRIPT, ",".join(dtypes))
     assert done.returncode == 0, done.stderr[-3000:]
     return int(done.stdout.strip().splitlines()[-1])
 
@@ -371,7 +371,7 @@ def test_bfloat16_code_for_avx2_runs_with_the_contracts_bits(tmp_path):
     # compiled for haswell in a subprocess and run here, they give the bits of the
     # float64 reference's contract, exact (one rounding per operation, no FMA), on
     # every CPU that can run them.
-    assert _run_compiled_for("haswell", ["bfloat16"], str(tmp_path)) == 2 * 6 * 3 * 2
+    assert _run_compiled_for("haswell", ["bfloat16"], tmp_path) == 2 * 6 * 3 * 2
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 code")
@@ -383,7 +383,7 @@ def test_code_for_x86_64_without_avx_runs_with_the_contracts_bits(tmp_path):
     # compiler-rt functions numba cannot link: "LLVM ERROR: Symbol not found:
     # __extendhfsf2"); its integer code (numba_rope._conversions) gives F16C's bits.
     dtypes = ["float32", "float16", "bfloat16"]
-    assert _run_compiled_for("x86-64", dtypes, str(tmp_path)) == 1 * 6 * 3 * 2 + 2 * 2 * 6 * 3 * 2
+    assert _run_compiled_for("x86-64", dtypes, tmp_path) == 1 * 6 * 3 * 2 + 2 * 2 * 6 * 3 * 2
 
 
 ARM64_SCRIPT = r"""
@@ -464,14 +464,7 @@ def test_kernels_compile_for_64_bit_arm_with_the_contract(tmp_path):
     # compiles (the empty inline assembly that keeps vectors in registers on x86 named
     # no Arm register: LLVM ended the process on bfloat16 rows streamed), with no fused
     # multiply-add, and float16 converts with fcvt, never a compiler-rt call.
-    env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CACHE_DIR": str(tmp_path)}
-    done = subprocess.run(
-        [sys.executable, "-c", SINCOS + ARM64_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    done = _script_for("generic", "", tmp_path, SINCOS + ARM64_SCRIPT)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     # float32; float16 with both caches; bfloat16 words, elements, float32 caches: 6 each

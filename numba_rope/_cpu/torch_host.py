@@ -85,8 +85,9 @@ def plain_views(arrays: tuple) -> list | None:
     for torch CPU tensors, which then make the NumPy call on them (its plans
     included). ``Tensor.numpy()`` refuses the layouts other than strided and the
     negative and conjugate bits itself (as ``Tensor.view`` to ``int16`` does for
-    bfloat16, :func:`~numba_rope._autograd.numpy_view`), so they are not tested first (0.2 us a tensor); a tensor that requires
-    grad is, since ``Tensor.numpy()`` takes it under ``torch.no_grad()``."""
+    bfloat16, :func:`~numba_rope._autograd.numpy_view`), so they are not tested first
+    (0.2 us a tensor); a tensor that requires grad is, since ``Tensor.numpy()`` takes
+    it under ``torch.no_grad()``."""
     import torch
 
     tensor_type, bfloat16 = torch.Tensor, torch.bfloat16
