@@ -10,6 +10,7 @@ type, bad position ids, a read-only or overlapping ``out``, other strides or dty
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 from oracles import BFLOAT16, assert_bitwise_equal, float32_contract, make_case
@@ -1078,3 +1079,176 @@ def test_compiled_plan_takes_equal_dtypes_that_are_other_objects(rng, fast_runs,
     assert fast_runs == {"one": [3, 0], "qk": [0, 0]}
     cos2, sin2 = numba_rope.rope_cache(cos.shape[0], 32, dtype=dtype)
     assert cos2.dtype is dtype and sin2.dtype is dtype  # NumPy's own object
+
+
+# -- compiled plans of large calls: numba's parallel region ------------------------------
+
+
+@pytest.fixture
+def large_calls(monkeypatch):
+    """Small arrays made large: calls of 64 elements or more run in numba's parallel
+    region, and outputs of 4 KiB or more are streamed (the constants read at each call;
+    setting them forgets the plans made before)."""
+    monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 64)
+    monkeypatch.setattr(config, "STREAMING_MIN_BYTES", 4096)
+
+
+def _large_plans_counted(calls: int) -> list[int]:
+    """What :func:`fast_runs` counts for ``calls`` calls after a large call's signature
+    was planned: run by its compiled plan where such calls run in numba's parallel
+    region with a thread-safe threading layer (OpenMP or TBB), left to the general path
+    (which takes a lock) under numba's workqueue layer, and no compiled plan at all on
+    one thread (the serial kernels then run the large calls, unplanned)."""
+    if numba.get_num_threads() < 2:
+        return [0, 0]
+    return [calls, 0] if numba.threading_layer() in ("omp", "tbb") else [0, calls]
+
+
+_LARGE_CASES = [
+    (np.dtype(np.float32), False, None),
+    (np.dtype(np.float32), False, "given"),
+    (np.dtype(np.float32), False, "in place"),
+    (np.dtype(np.float32), True, "given"),
+    (np.dtype(np.float32), True, "k in place"),
+    (np.dtype(np.float16), False, "given"),
+    (BFLOAT16, True, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "two", "out_kind"),
+    _LARGE_CASES,
+    ids=[f"{d.name}-{'qk' if t else 'one'}-{o}" for d, t, o in _LARGE_CASES],
+)
+def test_compiled_plans_of_large_calls_give_the_contract_bits(
+    rng, fast_runs, large_calls, dtype, two, out_kind
+):
+    # Large calls (numba's parallel region; streamed where out of place) of one
+    # signature repeated: the last two by the compiled plan, each call's bits the
+    # contract's.
+    shape, k_shape = (2, 4, 16, 16), (2, 2, 16, 16)
+    _, cos, sin, ids = make_case(rng, shape, dtype, n_positions=20)
+    for _ in range(cpu_backend.FAST_AFTER + 3):  # new values each call
+        x = rng.standard_normal(shape).astype(dtype)
+        k = rng.standard_normal(k_shape).astype(dtype)
+        want = (float32_contract(x, cos, sin, ids), float32_contract(k, cos, sin, ids))
+        out, out_k = {
+            None: (None, None),
+            "given": (np.full_like(x, np.nan), np.full_like(k, np.nan)),
+            "in place": (x, k),
+            "k in place": (np.full_like(x, np.nan), k),
+        }[out_kind]
+        if two:
+            got = numba_rope.rotary_embedding_qk(x, k, cos, sin, ids, out_q=out, out_k=out_k)
+        else:
+            got = (numba_rope.rotary_embedding(x, cos, sin, ids, out=out),)
+        for g, expected in zip(got, want, strict=False):
+            assert_bitwise_equal(g, expected)
+    assert fast_runs["qk" if two else "one"] == _large_plans_counted(2)
+
+
+def _off_alignment(shape, dtype):
+    """An output of ``shape`` whose first element is not on 16 bytes (never streamed)."""
+    buffer = np.empty(int(np.prod(shape)) + 16, dtype)
+    start = next(i for i in range(16) if buffer[i:].ctypes.data % 16)
+    return buffer[start : start + int(np.prod(shape))].reshape(shape)
+
+
+@pytest.mark.parametrize("planned_out", ["aligned", "off alignment"])
+def test_compiled_plan_of_a_large_call_leaves_other_calls_to_the_general_path(
+    rng, monkeypatch, fast_runs, large_calls, planned_out
+):
+    # A large call's compiled plan holds choices of the general path that depend on
+    # more than the signature: whether the outputs are streamed (their alignment),
+    # whether the caches are packed (their rows' strides), the threads, and whether
+    # a parallel region may run. A call that differs goes to the general path, which
+    # chooses afresh; every call gives the contract's bits.
+    shape = (2, 4, 16, 16)
+    x, cos, sin, ids = make_case(rng, shape, np.float32, n_positions=20)
+    want = float32_contract(x, cos, sin, ids)
+    aligned = np.empty_like(x)
+    off = _off_alignment(shape, np.float32)
+    planned = aligned if planned_out == "aligned" else off
+    other = off if planned_out == "aligned" else aligned
+    for _ in range(cpu_backend.FAST_AFTER + 2):  # the last one by the compiled plan
+        assert_bitwise_equal(numba_rope.rotary_embedding(x, cos, sin, ids, out=planned), want)
+    counted = _large_plans_counted(1)
+    assert fast_runs["one"] == counted
+    if counted == [0, 0]:
+        pytest.skip("one numba thread: no large call runs in a parallel region")
+
+    def like_planned():  # a new output placed as the planned one is
+        return np.empty_like(x) if planned is aligned else _off_alignment(shape, np.float32)
+
+    wide_cos, wide_sin = np.zeros((20, 16), np.float32), np.zeros((20, 16), np.float32)
+    wide_cos[:, :8], wide_sin[:, :8] = cos, sin  # rows 64 bytes apart: not dense
+
+    def fewer_threads():
+        numba.set_num_threads(numba.get_num_threads() - 1)
+        try:
+            return numba_rope.rotary_embedding(x, cos, sin, ids, out=like_planned())
+        finally:
+            numba.set_num_threads(numba.get_num_threads() + 1)
+
+    def no_parallel_regions():
+        with monkeypatch.context() as m:
+            m.setattr(cpu_backend, "parallel_regions_usable", lambda: False)
+            return numba_rope.rotary_embedding(x, cos, sin, ids, out=like_planned())
+
+    def layer_not_known_safe():
+        with monkeypatch.context() as m:
+            m.setattr(cpu_backend, "_threading_layer_is_safe", False)
+            return numba_rope.rotary_embedding(x, cos, sin, ids, out=like_planned())
+
+    others = {
+        "other alignment": lambda: numba_rope.rotary_embedding(x, cos, sin, ids, out=other),
+        "caches not dense": lambda: numba_rope.rotary_embedding(
+            x, wide_cos[:, :8], wide_sin[:, :8], ids, out=like_planned()
+        ),
+        "fewer threads": fewer_threads,
+        "no parallel regions": no_parallel_regions,
+        "layer not known safe": layer_not_known_safe,
+    }
+    for name, call in others.items():
+        before = list(fast_runs["one"])
+        assert_bitwise_equal(call(), want)
+        assert fast_runs["one"] == [before[0], before[1] + 1], name
+    ran = fast_runs["one"][0]
+    assert_bitwise_equal(numba_rope.rotary_embedding(x, cos, sin, ids, out=planned), want)
+    assert fast_runs["one"][0] == ran + 1  # the plan's own call still runs by it
+
+
+def test_compiled_plan_of_large_q_and_k_leaves_other_calls_to_the_general_path(
+    rng, monkeypatch, fast_runs, large_calls
+):
+    # As for one tensor: outputs placed otherwise, or no parallel region possible now,
+    # and q and k go to the general path (the same bits).
+    x, cos, sin, ids = make_case(rng, (2, 4, 16, 16), np.float32, n_positions=20)
+    k = rng.standard_normal((2, 2, 16, 16)).astype(np.float32)
+    want = (float32_contract(x, cos, sin, ids), float32_contract(k, cos, sin, ids))
+
+    def call(out_k=None):
+        return numba_rope.rotary_embedding_qk(x, k, cos, sin, ids, out_k=out_k)
+
+    for got, expected in zip(_repeat(call), want, strict=True):
+        assert_bitwise_equal(got, expected)
+    counted = _large_plans_counted(1)
+    assert fast_runs["qk"] == counted
+    if counted == [0, 0]:
+        pytest.skip("one numba thread: no large call runs in a parallel region")
+    others = [lambda: call(_off_alignment(k.shape, np.float32))]
+    for name in ("parallel_regions_usable", "thread_count"):
+        others.append(lambda name=name: _patched(monkeypatch, name, call))
+    for other in others:
+        before = list(fast_runs["qk"])
+        for got, expected in zip(other(), want, strict=True):
+            assert_bitwise_equal(got, expected)
+        assert fast_runs["qk"] == [before[0], before[1] + 1]
+
+
+def _patched(monkeypatch, name, call):
+    """``call()`` with the backend's ``name`` answering what stops a compiled plan of a
+    large call: no parallel region may run, or another thread count than the plan's."""
+    with monkeypatch.context() as m:
+        m.setattr(cpu_backend, name, (lambda: False) if name.startswith("parallel") else lambda: 99)
+        return call()

@@ -30,9 +30,11 @@ from numba_rope import config
 from numba_rope._conversions import BFLOAT16_STORAGE, FLOAT16_STORAGE
 from numba_rope._cpu import helper, pool
 from numba_rope._cpu.kernels import (
+    CACHES_DENSE,
     DONE,
     FIRST_IN_PLACE,
     OVERLAP,
+    PLAN_CACHES,
     PLAN_CHUNKS,
     PLAN_COS,
     PLAN_GROUPS,
@@ -44,13 +46,19 @@ from numba_rope._cpu.kernels import (
     PLAN_RUNNER,
     PLAN_SIN,
     PLAN_SLOTS,
+    PLAN_STREAM,
+    PLAN_THREADS,
     PLAN_TILE,
     PLAN_X,
     SECOND_IN_PLACE,
+    STREAM_ALIGNED,
+    STREAM_UNALIGNED,
     first_bad_position,
     parallel,
     planned,
     planned_one,
+    planned_parallel,
+    planned_parallel_one,
     planned_shared,
     planned_shared_one,
     relayed,
@@ -68,7 +76,7 @@ from numba_rope._geometry import (
     bhsd_steps,
     elements_distinct,
 )
-from numba_rope._jit import parallel_regions_usable, require_jit
+from numba_rope._jit import parallel_regions_usable, require_jit, thread_count
 from numba_rope._validation import (
     INT64_MAX,
     INT64_MIN,
@@ -341,9 +349,19 @@ def streaming(rotary_dim: int, interleaved: bool, *outs, inputs: tuple = ()) -> 
     2.8x (float32) and 5.2x (float16) the time with non-temporal stores on the Zen 4
     VM (one process; docs/performance.md, "Seventh session"): the form of vLLM's op
     and of flash-attn's ``inplace`` calls."""
+    return (
+        streamable_shapes(rotary_dim, interleaved, *outs)
+        and not any(_same_elements(x, out) for x, out in zip(inputs, outs, strict=False))
+        and all(stream_aligned(out) for out in outs)
+    )
+
+
+def streamable_shapes(rotary_dim: int, interleaved: bool, *outs) -> bool:
+    """The part of :func:`streaming` that the outputs' shapes and dtypes and the
+    options decide (the same for every call of a compiled plan): enough bytes, rows
+    whose every element the vector steps store, and elements of at most 4 bytes whose
+    last aligned part starts on ``STREAM_ALIGNMENT`` bytes of the row."""
     if sum(out.nbytes for out in outs) < config.STREAMING_MIN_BYTES:
-        return False
-    if any(_same_elements(x, out) for x, out in zip(inputs, outs, strict=False)):
         return False
     if (rotary_dim // 2) % STREAM_PAIRS:
         return False
@@ -353,11 +371,16 @@ def streaming(rotary_dim: int, interleaved: bool, *outs, inputs: tuple = ()) -> 
             return False
         if out.itemsize > 4 or (offset * out.itemsize) % STREAM_ALIGNMENT:
             return False
-        if out.ctypes.data % STREAM_ALIGNMENT:
-            return False
-        if any(stride % STREAM_ALIGNMENT for stride in out.strides[:-1]):
-            return False
     return True
+
+
+def stream_aligned(out: np.ndarray) -> bool:
+    """The part of :func:`streaming` that depends on where an output lies: its first
+    element and its rows on ``STREAM_ALIGNMENT`` bytes (``kernels`` checks the same
+    for the calls of a compiled plan)."""
+    if out.ctypes.data % STREAM_ALIGNMENT:
+        return False
+    return not any(stride % STREAM_ALIGNMENT for stride in out.strides[:-1])
 
 
 def rows_contiguous(*arrays) -> bool:
@@ -452,7 +475,7 @@ def packed_caches(cos, sin, size: int, nbytes: int) -> tuple:
     are used as they are: copied, vLLM's op on a 4096-token prefill took 1.05-1.15x
     the time.
     """
-    if size < config.PARALLEL_MIN_ELEMENTS or 4 * (cos.nbytes + sin.nbytes) > nbytes:
+    if size < config.PARALLEL_MIN_ELEMENTS or not may_pack(cos, sin, nbytes):
         return cos, sin
     if rows_dense(cos, sin):
         return cos, sin
@@ -460,6 +483,12 @@ def packed_caches(cos, sin, size: int, nbytes: int) -> tuple:
     both[..., 0, :] = cos
     both[..., 1, :] = sin
     return both[..., 0, :], both[..., 1, :]
+
+
+def may_pack(cos, sin, nbytes: int) -> bool:
+    """Whether caches are small enough beside inputs of ``nbytes`` bytes for
+    :func:`packed_caches` to pack them (together at most a quarter of the bytes)."""
+    return 4 * (cos.nbytes + sin.nbytes) <= nbytes
 
 
 def rows_dense(cos, sin) -> bool:
@@ -510,7 +539,9 @@ def _parallel(size: int) -> bool:
     )
 
 
-def launch(views: tuple, args: tuple, call: Call, check_overlap=True) -> int:
+def launch(
+    views: tuple, args: tuple, call: Call, check_overlap=True, report: dict | None = None
+) -> int:
     """Run a kernel on validated storage views: ``views`` holds ``(input, output)``
     BHSD views of one or two tensors, ``args`` the caches and the kernel positions.
     A pair whose output is its input, the same array object, runs the in-place
@@ -520,6 +551,12 @@ def launch(views: tuple, args: tuple, call: Call, check_overlap=True) -> int:
     Returns DONE, OVERLAP (``check_overlap`` and an input overlaps an output) or the
     index of the first bad position id (flat) or offset (batch entry); nothing is
     written unless it returns DONE.
+
+    ``report``: a dict given by a plan (:func:`make_plan`), into which what was
+    chosen is written for a compiled plan of a large call (:func:`remember_fast`):
+    ``options`` (the runner's), ``split`` (``(tile, n_groups, n_chunks)``),
+    ``parallel`` (numba's parallel region), ``packed`` (caches copied by
+    :func:`packed_caches`), ``contiguous`` and ``stream``.
     """
     x, out = views[0]
     k, out_k = views[1] if len(views) > 1 else (None, None)
@@ -542,6 +579,11 @@ def launch(views: tuple, args: tuple, call: Call, check_overlap=True) -> int:
         batch, heads, seq_len, in_parallel or relay, 2 if relay else None, by_token
     )
     arguments = (x, k, cos, sin, positions, out, out_k, call.rotary_dim, check_overlap)
+    if report is not None:
+        report.update(
+            options=chosen.options, split=(tile, n_groups, n_chunks), parallel=in_parallel,
+            packed=cos is not args[0], contiguous=contiguous, stream=stream,
+        )  # fmt: skip
     if in_parallel:
         return _run_parallel(chosen.parallel, (*arguments, tile, n_groups, n_chunks, runner))
     if relay:
@@ -645,26 +687,31 @@ def make_plan(
     key_options: tuple = (),
     position_offset: Any = None,
 ) -> Any:
-    """A function that runs further calls of this validated signature on one thread
-    with the least Python work, or None where the general path is needed anyway.
+    """A function that runs further calls of this validated signature with the least
+    Python work, or None where the general path is needed anyway.
 
     The plan takes the call's arrays (``k`` and ``out_k`` None for one tensor) and its
     position offset (None, an ``int``, or an integer array of offsets of the dtype of
     ``position_offset``, which the kernels take as int64), and returns the output (a
-    tuple of both for two tensors), or None when the
-    general path must take over: an input too large for one thread or large enough to
-    stream (``config.STREAMING_MIN_BYTES``), a read-only output, an offset beyond
+    tuple of both for two tensors), or None when the general path must take over: a
+    large call (numba's parallel kernel or streaming stores, ``config``'s thresholds)
+    whose signature cannot have a compiled plan, a read-only output, an offset beyond
     int64, or a kernel status other than DONE (an output overlapping an input, a bad
     position). Nothing has been written then, so the general path runs the call again
-    from the start and raises or handles it.
+    from the start and raises or handles it. A large call is launched as the general
+    path launches it (:func:`launch`).
 
     ``key_options``: the call's options as given (``interleaved``,
     ``rotary_embedding_dim``, ``layout``, ``inverse``, ``num_heads``, ``num_kv_heads``),
-    for :func:`fast_key`. A plan whose calls no parallel kernel takes
-    (:func:`_fast_candidate`: on the calling thread, or shared with the helper) gives
-    its signature a compiled plan
-    (:func:`remember_fast`) after ``FAST_AFTER`` calls with contiguous rows, counted
-    apart for calls in place and out of place (compiled plans of their own).
+    for :func:`fast_key`. A plan of a signature that :func:`_fast_candidate` admits
+    gives it a compiled plan (:func:`remember_fast`) after ``FAST_AFTER`` calls with
+    contiguous rows, counted apart for calls in place and out of place (compiled
+    plans of their own): calls on the calling thread or shared with the helper, and
+    large calls that ran in numba's parallel region on the caches as given (not
+    packed by :func:`packed_caches`). The general path's Python work took 60-100 us
+    per large call on the Intel VM, as the call before had pushed Python's own data
+    out of the CPU's caches (docs/performance.md, "Thirty-sixth session"); the
+    compiled plan's is one hop.
     """
     # One function with a closure, not helpers: everything the plan can decide once is
     # decided here, and each helper call on its path would cost the small call a
@@ -733,7 +780,8 @@ def make_plan(
 
     def plan(x, k, cos, sin, position_ids, out, out_k, offset=None):
         cache = cos  # as the caller passed it (cos becomes the kernels' view below)
-        if size >= config.PARALLEL_MIN_ELEMENTS or nbytes >= config.STREAMING_MIN_BYTES:
+        large = size >= config.PARALLEL_MIN_ELEMENTS or nbytes >= config.STREAMING_MIN_BYTES
+        if large and not candidate:
             return None
         positions = position_ids  # as the kernels take them
         if offsets_given:
@@ -749,7 +797,7 @@ def make_plan(
             positions = offset  # the kernels take one offset as is
         in_place = out is x
         if out is None:
-            out = empty_x(x_shape, dtype)
+            out = (pool.empty if large else empty_x)(x_shape, dtype)  # large: as run does
         elif not out.flags.writeable or not (out.flags.c_contiguous or distinct(out)):
             return None
         x_view, out_view = x, out
@@ -757,7 +805,7 @@ def make_plan(
         if two:
             in_place += (out_k is k) * SECOND_IN_PLACE
             if out_k is None:
-                out_k = empty_k(k_shape, dtype)
+                out_k = (pool.empty if large else empty_k)(k_shape, dtype)
             elif not out_k.flags.writeable or not (out_k.flags.c_contiguous or distinct(out_k)):
                 return None
             k_view, out_k_view = k, out_k
@@ -788,6 +836,11 @@ def make_plan(
             contiguous = (k.flags.c_contiguous and out_k.flags.c_contiguous) or (
                 k.strides[-1] == item and out_k.strides[-1] == item
             )
+        if large:
+            return run_large(
+                x, k, cos, sin, cache, position_ids, positions, out, out_k, offset,
+                (x_view, k_view, out_view, out_k_view), in_place,
+            )  # fmt: skip
         found = chosen.get((contiguous, in_place))
         if found is None:
             chosen_kernels = kernels(
@@ -824,6 +877,37 @@ def make_plan(
         if status != DONE:
             return None
         return (out, out_k) if two else out  # one tensor: no tuple to build and index
+
+    def run_large(x, k, cos, sin, cache, position_ids, positions, out, out_k, offset, views,
+                  in_place):  # fmt: skip
+        # A large call: launched as the general path launches it (parallel region,
+        # streaming stores, packed caches), its choices then giving the signature a
+        # compiled plan when it ran in numba's parallel region on the caches as given.
+        x_view, k_view, out_view, out_k_view = views
+        pairs = ((out_view, out_view) if in_place & FIRST_IN_PLACE else (x_view, out_view),)
+        if two:
+            second_in_place = in_place & SECOND_IN_PLACE
+            pairs += ((out_k_view, out_k_view) if second_in_place else (k_view, out_k_view),)
+        report: dict[str, Any] = {}
+        if launch(pairs, (cos, sin, positions), call, report=report) != DONE:
+            return None
+        left = countdowns.get(in_place, FAST_AFTER)
+        if left and report["contiguous"] and report["parallel"] and not report["packed"]:
+            countdowns[in_place] = left - 1
+            if left == 1:
+                outs = tuple(o for _, o in pairs)
+                stream = 0  # no call of these shapes streams, or in place (never)
+                if not in_place and streamable_shapes(rotary_dim, call.interleaved, *outs):
+                    stream = STREAM_ALIGNED if report["stream"] else STREAM_UNALIGNED
+                packs = size >= config.PARALLEL_MIN_ELEMENTS and may_pack(cos, sin, nbytes)
+                remember_fast(
+                    fast_key(x, k, cache, position_ids, out, out_k, *key_options, offset),
+                    report["options"], rotary_dim, positions,
+                    (x_view, k_view, cos, sin, out_view, out_k_view),
+                    (to_bhsd, x_split, k_split), report["split"],
+                    (thread_count(), stream, CACHES_DENSE if packs else 0),
+                )  # fmt: skip
+        return (out, out_k) if two else out
 
     return plan
 
@@ -879,24 +963,18 @@ def fast_key(
 
 def _fast_candidate(call: Call, inputs: tuple, key_options: tuple, position_offset: Any) -> bool:
     """Whether calls of this validated signature may get a compiled plan: options that
-    :func:`fast_key` can hold, positions that the compiled plan passes on as they are
-    (ids, none, a Python ``int`` offset or a 1-D array of int64 offsets), and work
-    that no parallel kernel takes (below the parallel kernels' and streaming's
-    thresholds): on the calling thread, or shared with the helper thread."""
-    size = sum(x.size for x in inputs)
-    return (
-        len(key_options) == 6
-        and (
-            call.positions in ("ids", "token")
-            or (call.positions == "offset" and type(position_offset) is int)
-            or (
-                call.positions == "offsets"
-                and type(position_offset) is np.ndarray
-                and position_offset.dtype == np.dtype(np.int64)
-            )
+    :func:`fast_key` can hold and positions that the compiled plan passes on as they
+    are (ids, none, a Python ``int`` offset or a 1-D array of int64 offsets). Which
+    plan, :func:`make_plan` decides by the size: on the calling thread or shared with
+    the helper thread, or for a large call as the general path launched it."""
+    return len(key_options) == 6 and (
+        call.positions in ("ids", "token")
+        or (call.positions == "offset" and type(position_offset) is int)
+        or (
+            call.positions == "offsets"
+            and type(position_offset) is np.ndarray
+            and position_offset.dtype == np.dtype(np.int64)
         )
-        and size < config.PARALLEL_MIN_ELEMENTS
-        and sum(x.nbytes for x in inputs) < config.STREAMING_MIN_BYTES
     )
 
 
@@ -908,9 +986,10 @@ def remember_fast(
     views: tuple,
     forms: tuple,
     split: tuple[int, int, int] | None = None,
+    large: tuple[int, int, int] | None = None,
 ) -> None:
     """Give the signature of a call that its Python plan has just run (rows
-    contiguous, no parallel kernel) a compiled plan under ``key`` (:func:`fast_key`, which
+    contiguous) a compiled plan under ``key`` (:func:`fast_key`, which
     holds the dtypes of the input, the caches, the ids and the offsets). ``options``:
     its kernel options; ``positions``: as the kernels took them (ids, None, an int
     offset or int64 offsets); ``views``: the input, k (or None), the caches and the
@@ -920,7 +999,12 @@ def remember_fast(
     3-D ones (None for 4-D, see :func:`~numba_rope._geometry.bhsd_steps`); ``split``:
     None for a call below the helper's threshold (run on the calling thread), else
     the tokens per tile, head groups and chunks of the helper's split (``relay_split``),
-    shared with the helper at each call where it is usable (see :func:`fast_call`)."""
+    shared with the helper at each call where it is usable (see :func:`fast_call`).
+
+    ``large``: for a call that ran in numba's parallel region (``split`` is then the
+    general path's), ``(threads, stream, caches)``: numba's thread count then, and
+    the plan's ``PLAN_STREAM`` and ``PLAN_CACHES`` (see ``kernels``); its calls run by
+    ``kernels.planned_parallel``."""
     x_view, k_view, cos_view, sin_view, out_view, out_k_view = views
     to_bhsd, x_split, k_split = forms
     function = helper.runner(options, (x_view, k_view, cos_view, sin_view, positions))
@@ -928,6 +1012,8 @@ def remember_fast(
     plan[PLAN_RUNNER] = function.address
     plan[PLAN_ROTARY_DIM] = rotary_dim
     plan[PLAN_TILE], plan[PLAN_GROUPS], plan[PLAN_CHUNKS] = split or (config.TOKENS_PER_TILE, 1, 1)
+    if large is not None:
+        plan[PLAN_THREADS], plan[PLAN_STREAM], plan[PLAN_CACHES] = large
     for slot, array in (
         (PLAN_X, x_view), (PLAN_K, k_view), (PLAN_COS, cos_view), (PLAN_SIN, sin_view),
         (PLAN_POSITIONS, positions), (PLAN_OUT, out_view), (PLAN_OUT_K, out_k_view),
@@ -939,23 +1025,28 @@ def remember_fast(
         _forget_fast()
     dtype, cache_dtype = key[1], key[2]  # fast_key holds (shape, dtype, cache dtype, ...)
     # A plan of the helper's size is shared with it (when usable) by the elements.
-    shared_size = 0 if split is None else x_view.size + (0 if k_view is None else k_view.size)
+    shared_size = 0
+    if split is not None and large is None:
+        shared_size = x_view.size + (0 if k_view is None else k_view.size)
     two = k_view is not None
     arrays = (
         (x_view, k_view, cos_view, sin_view, positions, out_view, out_k_view, plan)
         if two
         else (x_view, cos_view, sin_view, positions, out_view, plan)
     )
-    entry = (planned if two else planned_one).compile(entry_types(arrays))
+    if large is not None:
+        entry = (planned_parallel if two else planned_parallel_one).compile(entry_types(arrays))
+    else:
+        entry = (planned if two else planned_one).compile(entry_types(arrays))
     shared_entry = None  # compiled at its first use: a process of one thread never shares
-    if split is not None:
+    if shared_size:
         block = np.zeros(1, np.int64)  # the type of a helper's control block
         shared = planned_shared if two else planned_shared_one
         shared_entry = functools.partial(shared.compile, entry_types((*arrays, block)))
     ndims = (cos_view.ndim, None if positions is None or type(positions) is int else positions.ndim)
     run = fast_call(
         plan, dtype, cache_dtype, to_bhsd, x_split, k_split, two, shared_size,
-        (entry, shared_entry), ndims,
+        (entry, shared_entry), ndims, large is not None,
     )  # fmt: skip
     FAST[key] = (
         run,
@@ -995,6 +1086,7 @@ def fast_call(
     shared_size: int,
     entries: tuple[Callable[..., Any], Callable[[], Callable[..., Any]] | None],
     ndims: tuple[int, int | None],
+    large: bool = False,
 ) -> Callable[..., Any]:
     """The function that runs a call by the compiled plan ``plan`` (found by
     :func:`fast_key`: the input, caches, ids and offsets are of its dtypes) and returns
@@ -1028,14 +1120,23 @@ def fast_call(
     and k): the call is then shared with the helper thread when ``helper.usable``
     says so at the time of the call (more than one numba thread for this thread), as
     the general path decides, else run on this thread. The helper is looked up at each
-    call: a forked child has its own."""
+    call: a forked child has its own.
+
+    ``large``: a plan of a call that ran in numba's parallel region
+    (``kernels.planned_parallel``), run only where such a region may run now (a
+    thread-safe threading layer known, not a fork child of OpenMP's threads, see
+    :func:`_run_parallel` and ``parallel_regions_usable``) with the numba thread count
+    for this thread that the plan's split was made for."""
     entry, compile_shared = entries
     shared: list[Callable[..., Any]] = []  # the shared twin's, once compiled
+    threads = int(plan[PLAN_THREADS])
     cache_ndim, ids_ndim = ndims
 
     ndarray, empty, placing = np.ndarray, np.empty, pool.empty
     # Outputs that pool.empty places (see make_plan), the others NumPy's.
     placed = pool.LINE_MIN_BYTES if dtype == np.float32 else pool.MIN_BYTES
+    if large:  # pool.empty for every output, as the general path allocates them
+        placed = 0
 
     def bhsd(array: np.ndarray, split: tuple[int, ...] | None) -> np.ndarray:
         # bhsd_array with its steps made once (the plan checks the shapes).
@@ -1073,6 +1174,10 @@ def fast_call(
                 if out.shape != x.shape:
                     return None  # (3-D outputs must have the input's shape to be reshaped)
                 x_view, out_view = bhsd(x, x_split), bhsd(out, x_split)
+            if large and not (
+                _threading_layer_is_safe and parallel_regions_usable() and thread_count() == threads
+            ):
+                return None
             if shared_size and helper.usable(shared_size):
                 if not shared:  # compiled before the helper starts to spin
                     shared.append(compile_shared())  # type: ignore[misc]
@@ -1127,6 +1232,10 @@ def fast_call(
                 return None
             x_view, k_view = bhsd(x, x_split), bhsd(k, k_split)
             out_view, out_k_view = bhsd(out, x_split), bhsd(out_k, k_split)
+        if large and not (
+            _threading_layer_is_safe and parallel_regions_usable() and thread_count() == threads
+        ):
+            return None
         if shared_size and helper.usable(shared_size):
             if not shared:  # compiled before the helper starts to spin
                 shared.append(compile_shared())  # type: ignore[misc]

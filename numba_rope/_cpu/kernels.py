@@ -25,6 +25,7 @@ from numba_rope._conversions import narrow_like, widen
 from numba_rope._cpu import relay
 from numba_rope._cpu.vector import (
     BFLOAT16_TYPE,
+    STREAM_ALIGNMENT,
     pair_rows,
     prefetch_rows,
     prefetch_span,
@@ -922,7 +923,7 @@ def make_runner(options: tuple, likes: tuple):
     return run
 
 
-# -- compiled plans: a small call of a signature seen before, checked and run in one hop ---
+# -- compiled plans: a call of a signature seen before, checked and run in one hop -------
 
 #: Status of :func:`planned` when the call is not the one its plan was made for (or
 #: would not run as a plan): the caller takes the general path, which re-validates.
@@ -932,7 +933,8 @@ NOT_PLANNED = -3
 #: runner (:func:`make_runner`) for the plan's kernel options, the rotary dimension, the
 #: tokens per tile, then for each array its ndim and shape (``PLAN_SHAPE_SLOTS``
 #: slots; ndim 0 for an absent one or one offset), then the head groups and the chunks
-#: of the work split (1 and 1 but for calls shared with the helper thread).
+#: of the work split (1 and 1 but for calls shared with the helper thread or run in
+#: numba's parallel region).
 PLAN_RUNNER = 0
 PLAN_ROTARY_DIM = 1
 PLAN_TILE = 2
@@ -946,14 +948,37 @@ PLAN_OUT = PLAN_POSITIONS + PLAN_SHAPE_SLOTS
 PLAN_OUT_K = PLAN_OUT + PLAN_SHAPE_SLOTS
 PLAN_GROUPS = PLAN_OUT_K + PLAN_SHAPE_SLOTS
 PLAN_CHUNKS = PLAN_GROUPS + 1
+#: Of the plans of large calls (:func:`planned_parallel`; 0 in the others): numba's
+#: thread count for this thread when the plan was made (the split is made for it),
+#: whether the outputs are streamed (:data:`STREAM_ALIGNED`, :data:`STREAM_UNALIGNED`,
+#: or 0 where no call of the plan's shapes and options streams) and whether the
+#: caches must be dense (:data:`CACHES_DENSE`, see ``backend.packed_caches``).
+PLAN_THREADS = PLAN_CHUNKS + 1
+PLAN_STREAM = PLAN_THREADS + 1
+PLAN_CACHES = PLAN_STREAM + 1
 #: The control block a plan's call hands its runner (``relay.BLOCK_SLOTS`` slots),
 #: written afresh by each call: part of the plan rather than allocated per call (an
 #: allocation and a free, against a 5 us call). The calls of one plan never overlap:
 #: :func:`planned` and the other entries hold the GIL (none is ``nogil``), and
 #: nothing in them calls back. A call shared with the helper publishes its job in the
-#: helper's block instead; the helper never reads a plan's own block.
-PLAN_BLOCK = PLAN_CHUNKS + 1
+#: helper's block instead; the helper never reads a plan's own block. The entries of
+#: large calls (:func:`planned_parallel`) do not use it: numba's parallel region lets
+#: other Python threads run, and one plan's calls from two of them ran together (a
+#: block shared, wrong results in 3 of 12 runs of
+#: ``test_concurrent_calls_from_python_threads``).
+PLAN_BLOCK = PLAN_CACHES + 1
 PLAN_SLOTS = PLAN_BLOCK + relay.BLOCK_SLOTS
+
+#: :data:`PLAN_STREAM` of a plan whose runner streams its outputs: every call of the
+#: plan's shapes and options whose outputs start, and have their rows, on
+#: ``STREAM_ALIGNMENT`` bytes streams (``backend.streaming``); a call whose outputs do
+#: not is left to the general path. :data:`STREAM_UNALIGNED`: the other way round.
+STREAM_ALIGNED = 1
+STREAM_UNALIGNED = 2
+#: :data:`PLAN_CACHES` of a plan whose calls the general path would give packed caches
+#: unless their rows are dense (``backend.packed_caches``): a call with caches that
+#: are not is left to it.
+CACHES_DENSE = 1
 
 
 def _shape_is(array, plan, slot):  # pragma: no cover - see overload
@@ -1014,6 +1039,60 @@ def _distinct_output_overload(out):
     return impl
 
 
+def _stream_aligned(out):  # pragma: no cover - see overload
+    """Whether ``out`` (or None) starts, and has its rows, on ``STREAM_ALIGNMENT``
+    bytes: the part of ``backend.streaming`` that depends on where an output lies
+    rather than on the call's shapes, dtypes and options."""
+    raise NotImplementedError
+
+
+@overload(_stream_aligned)  # not inlined, as _shape_is
+def _stream_aligned_overload(out):
+    if isinstance(out, types.NoneType):
+        return lambda out: True
+
+    def impl(out):
+        if out.ctypes.data % STREAM_ALIGNMENT:
+            return False
+        for i in range(out.ndim - 1):
+            if out.strides[i] % STREAM_ALIGNMENT:
+                return False
+        return True
+
+    return impl
+
+
+def _rows_dense(cos, sin):  # pragma: no cover - see overload
+    """``backend.rows_dense`` in compiled code, for caches of equal shapes."""
+    raise NotImplementedError
+
+
+@overload(_rows_dense)  # not inlined, as _shape_is
+def _rows_dense_overload(cos, sin):
+    def impl(cos, sin):
+        last = cos.ndim - 1
+        row = cos.shape[last] * cos.itemsize
+        for i in range(cos.ndim):
+            if cos.strides[i] != sin.strides[i]:
+                return False
+        if cos.shape[last] > 1 and cos.strides[last] != cos.itemsize:
+            return False
+        step = row
+        if cos.shape[last - 1] > 1:
+            step = cos.strides[last - 1]
+            gap = abs(sin.ctypes.data - cos.ctypes.data)
+            if step != row and not (step == 2 * row and gap == row):
+                return False
+        return (
+            cos.ndim == 2
+            or cos.shape[0] == 1
+            or cos.strides[0] == 0
+            or cos.strides[0] == cos.shape[1] * step
+        )
+
+    return impl
+
+
 @cached_njit(any_layout=True)
 def planned(x, k, cos, sin, positions, out, out_k, plan):
     """Run a small call of q and k by its compiled plan: see :func:`run_planned`."""
@@ -1045,9 +1124,7 @@ def planned_shared_one(x, cos, sin, positions, out, plan, shared):
 @cached_njit(inline="always")
 def run_planned(x, k, cos, sin, positions, out, out_k, plan, shared):
     """Run a small call by its compiled plan: DONE, or NOT_PLANNED (nothing written)
-    when the arrays are not of the plan's shapes, have rows that are not contiguous, an
-    output that is read-only or whose elements may share bytes, or when the call would
-    not run (an output overlapping an input, a bad position): the general path then
+    when the call is not the plan's (:func:`_fits_plan`): the general path then
     validates and runs it, raising what it must.
 
     ``plan`` (see ``PLAN_*``) was written when a call of these dtypes and options was
@@ -1064,6 +1141,22 @@ def run_planned(x, k, cos, sin, positions, out, out_k, plan, shared):
     :func:`relayed` (another caller's job running, or a helper without a core of
     late), the call runs as one chunk through the plan's own block.
     """
+    if not _fits_plan(x, k, cos, sin, positions, out, out_k, plan):
+        return NOT_PLANNED
+    run_job(x, k, cos, sin, positions, out, out_k, plan[PLAN_ROTARY_DIM], plan[PLAN_TILE],
+            plan[PLAN_GROUPS], plan[PLAN_CHUNKS], plan[PLAN_RUNNER], plan[PLAN_BLOCK:],
+            shared)  # fmt: skip
+    return DONE
+
+
+@cached_njit(inline="always")
+def _fits_plan(x, k, cos, sin, positions, out, out_k, plan):
+    """Whether a call is its compiled plan's, and would run: the arrays of the plan's
+    shapes with contiguous rows, outputs writable with no two elements on one byte,
+    no output overlapping an input and every position in range (:func:`_checked`);
+    for a plan of a large call also the outputs streamed as the plan's runner streams
+    (:data:`PLAN_STREAM`) and caches that the general path would not pack
+    (:data:`PLAN_CACHES`)."""
     if not (
         _shape_is(x, plan, PLAN_X)
         and _shape_is(k, plan, PLAN_K)
@@ -1073,7 +1166,7 @@ def run_planned(x, k, cos, sin, positions, out, out_k, plan, shared):
         and _shape_is(out, plan, PLAN_OUT)
         and _shape_is(out_k, plan, PLAN_OUT_K)
     ):
-        return NOT_PLANNED
+        return False
     if not (
         _rows_apart(x)
         and _rows_apart(k)
@@ -1084,10 +1177,53 @@ def run_planned(x, k, cos, sin, positions, out, out_k, plan, shared):
         and _distinct_output(out)
         and _distinct_output(out_k)
     ):
+        return False
+    stream = plan[PLAN_STREAM]
+    if stream != 0 and (_stream_aligned(out) and _stream_aligned(out_k)) != (
+        stream == STREAM_ALIGNED
+    ):
+        return False
+    if plan[PLAN_CACHES] == CACHES_DENSE and not _rows_dense(cos, sin):
+        return False
+    return _checked(x, k, cos, sin, positions, out, out_k, True) == DONE
+
+
+@cached_njit(any_layout=True, parallel=True)
+def planned_parallel(x, k, cos, sin, positions, out, out_k, plan):
+    """Run a large call of q and k by its compiled plan in numba's parallel region: see
+    :func:`run_planned_parallel`."""
+    return run_planned_parallel(x, k, cos, sin, positions, out, out_k, plan)
+
+
+@cached_njit(any_layout=True, parallel=True)
+def planned_parallel_one(x, cos, sin, positions, out, plan):
+    """Run a large call of one tensor by its compiled plan in numba's parallel region:
+    see :func:`run_planned_parallel`."""
+    return run_planned_parallel(x, None, cos, sin, positions, out, None, plan)
+
+
+@cached_njit(inline="always")
+def run_planned_parallel(x, k, cos, sin, positions, out, out_k, plan):
+    """:func:`run_planned` of a call that :func:`parallel` runs: DONE, or NOT_PLANNED
+    (nothing written) when the call is not the plan's (:func:`_fits_plan`). The caller
+    checks that the process may run parallel regions, with the thread count that the
+    plan's split was made for (``PLAN_THREADS``; numba's ``get_num_threads`` in
+    compiled code would keep the function out of numba's cache). The units in
+    ``plan[PLAN_CHUNKS]`` contiguous chunks, as :func:`parallel` runs them, through a
+    control block of the call's own: not the plan's, as Python threads may run one
+    plan at once (numba's parallel region lets go of the GIL)."""
+    if not _fits_plan(x, k, cos, sin, positions, out, out_k, plan):
         return NOT_PLANNED
-    if _checked(x, k, cos, sin, positions, out, out_k, True) != DONE:
-        return NOT_PLANNED
-    run_job(x, k, cos, sin, positions, out, out_k, plan[PLAN_ROTARY_DIM], plan[PLAN_TILE],
-            plan[PLAN_GROUPS], plan[PLAN_CHUNKS], plan[PLAN_RUNNER], plan[PLAN_BLOCK:],
-            shared)  # fmt: skip
+    block = np.empty(relay.BLOCK_SLOTS, np.int64)
+    tile, n_groups, n_chunks = plan[PLAN_TILE], plan[PLAN_GROUPS], plan[PLAN_CHUNKS]
+    n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
+    relay.store_job(block, x, out, cos, sin, positions, plan[PLAN_ROTARY_DIM], tile, n_groups,
+                    n_units)  # fmt: skip
+    if k is not None:
+        relay.store_array(block, relay.K_AT, k)
+        relay.store_array(block, relay.OUT_K_AT, out_k)
+    block[relay.CHUNKS] = n_chunks
+    runner = plan[PLAN_RUNNER]
+    for chunk in prange(n_chunks):
+        relay.call_runner(runner, block, chunk)
     return DONE
