@@ -1141,7 +1141,7 @@ def run_planned(x, k, cos, sin, positions, out, out_k, plan, shared):
     :func:`relayed` (another caller's job running, or a helper without a core of
     late), the call runs as one chunk through the plan's own block.
     """
-    if not _fits_plan(x, k, cos, sin, positions, out, out_k, plan):
+    if not _fits_plan(x, k, cos, sin, positions, out, out_k, plan, False):
         return NOT_PLANNED
     run_job(x, k, cos, sin, positions, out, out_k, plan[PLAN_ROTARY_DIM], plan[PLAN_TILE],
             plan[PLAN_GROUPS], plan[PLAN_CHUNKS], plan[PLAN_RUNNER], plan[PLAN_BLOCK:],
@@ -1150,11 +1150,12 @@ def run_planned(x, k, cos, sin, positions, out, out_k, plan, shared):
 
 
 @cached_njit(inline="always")
-def _fits_plan(x, k, cos, sin, positions, out, out_k, plan):
+def _fits_plan(x, k, cos, sin, positions, out, out_k, plan, large):
     """Whether a call is its compiled plan's, and would run: the arrays of the plan's
     shapes with contiguous rows, outputs writable with no two elements on one byte,
     no output overlapping an input and every position in range (:func:`_checked`);
-    for a plan of a large call also the outputs streamed as the plan's runner streams
+    for a plan of a large call (``large``, a constant: the small calls' entries
+    compile none of it) also the outputs streamed as the plan's runner streams
     (:data:`PLAN_STREAM`) and caches that the general path would not pack
     (:data:`PLAN_CACHES`)."""
     if not (
@@ -1178,13 +1179,14 @@ def _fits_plan(x, k, cos, sin, positions, out, out_k, plan):
         and _distinct_output(out_k)
     ):
         return False
-    stream = plan[PLAN_STREAM]
-    if stream != 0 and (_stream_aligned(out) and _stream_aligned(out_k)) != (
-        stream == STREAM_ALIGNED
-    ):
-        return False
-    if plan[PLAN_CACHES] == CACHES_DENSE and not _rows_dense(cos, sin):
-        return False
+    if large:
+        stream = plan[PLAN_STREAM]
+        if stream != 0 and (_stream_aligned(out) and _stream_aligned(out_k)) != (
+            stream == STREAM_ALIGNED
+        ):
+            return False
+        if plan[PLAN_CACHES] == CACHES_DENSE and not _rows_dense(cos, sin):
+            return False
     return _checked(x, k, cos, sin, positions, out, out_k, True) == DONE
 
 
@@ -1212,7 +1214,7 @@ def run_planned_parallel(x, k, cos, sin, positions, out, out_k, plan):
     ``plan[PLAN_CHUNKS]`` contiguous chunks, as :func:`parallel` runs them, through a
     control block of the call's own: not the plan's, as Python threads may run one
     plan at once (numba's parallel region lets go of the GIL)."""
-    if not _fits_plan(x, k, cos, sin, positions, out, out_k, plan):
+    if not _fits_plan(x, k, cos, sin, positions, out, out_k, plan, True):
         return NOT_PLANNED
     block = np.empty(relay.BLOCK_SLOTS, np.int64)
     tile, n_groups, n_chunks = plan[PLAN_TILE], plan[PLAN_GROUPS], plan[PLAN_CHUNKS]
