@@ -810,10 +810,22 @@ def serial(x, k, cos, sin, positions, out, out_k, rotary_dim, check_overlap, til
 def parallel(x, k, cos, sin, positions, out, out_k, rotary_dim, check_overlap, tile, n_groups,
              n_chunks, runner):  # fmt: skip
     """:func:`serial` in numba's parallel region: the units in ``n_chunks`` contiguous
-    chunks, each run by the runner on one of numba's threads."""
+    chunks, each run by the runner on one of numba's threads (:func:`run_in_parallel`)."""
     status = _checked(x, k, cos, sin, positions, out, out_k, check_overlap)
     if status != DONE:
         return status
+    run_in_parallel(x, k, cos, sin, positions, out, out_k, rotary_dim, tile, n_groups, n_chunks,
+                    runner)  # fmt: skip
+    return DONE
+
+
+@cached_njit(inline="always")
+def run_in_parallel(x, k, cos, sin, positions, out, out_k, rotary_dim, tile, n_groups, n_chunks,
+                    runner):  # fmt: skip
+    """Rotate a checked call in the parallel region of the kernel it is inlined into
+    (:func:`parallel`, :func:`planned_parallel`): its arguments written into a control
+    block of its own, its units in ``n_chunks`` contiguous chunks, each run by the
+    runner on one of numba's threads."""
     block = np.empty(relay.BLOCK_SLOTS, np.int64)
     n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
     relay.store_job(block, x, out, cos, sin, positions, rotary_dim, tile, n_groups, n_units)
@@ -823,7 +835,6 @@ def parallel(x, k, cos, sin, positions, out, out_k, rotary_dim, check_overlap, t
     block[relay.CHUNKS] = n_chunks
     for chunk in prange(n_chunks):
         relay.call_runner(runner, block, chunk)
-    return DONE
 
 
 @cached_njit(any_layout=True)
@@ -1211,21 +1222,11 @@ def run_planned_parallel(x, k, cos, sin, positions, out, out_k, plan):
     checks that the process may run parallel regions, with the thread count that the
     plan's split was made for (``PLAN_THREADS``; numba's ``get_num_threads`` in
     compiled code would keep the function out of numba's cache). The units in
-    ``plan[PLAN_CHUNKS]`` contiguous chunks, as :func:`parallel` runs them, through a
-    control block of the call's own: not the plan's, as Python threads may run one
-    plan at once (numba's parallel region lets go of the GIL)."""
+    ``plan[PLAN_CHUNKS]`` chunks, as :func:`parallel` runs them (:func:`run_in_parallel`),
+    through a control block of the call's own: not the plan's, as Python threads may
+    run one plan at once (numba's parallel region lets go of the GIL)."""
     if not _fits_plan(x, k, cos, sin, positions, out, out_k, plan, True):
         return NOT_PLANNED
-    block = np.empty(relay.BLOCK_SLOTS, np.int64)
-    tile, n_groups, n_chunks = plan[PLAN_TILE], plan[PLAN_GROUPS], plan[PLAN_CHUNKS]
-    n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
-    relay.store_job(block, x, out, cos, sin, positions, plan[PLAN_ROTARY_DIM], tile, n_groups,
-                    n_units)  # fmt: skip
-    if k is not None:
-        relay.store_array(block, relay.K_AT, k)
-        relay.store_array(block, relay.OUT_K_AT, out_k)
-    block[relay.CHUNKS] = n_chunks
-    runner = plan[PLAN_RUNNER]
-    for chunk in prange(n_chunks):
-        relay.call_runner(runner, block, chunk)
+    run_in_parallel(x, k, cos, sin, positions, out, out_k, plan[PLAN_ROTARY_DIM], plan[PLAN_TILE],
+                    plan[PLAN_GROUPS], plan[PLAN_CHUNKS], plan[PLAN_RUNNER])  # fmt: skip
     return DONE
