@@ -390,11 +390,12 @@ ARM64_SCRIPT = r"""
 import json, re
 import numpy as np
 import numba_rope._conversions as conversions
+import numba_rope._cpu.relay as relay
 import numba_rope._cpu.vector as vector
 
 # Code generated as on a 64-bit Arm machine (the choices numba_rope makes from the
 # machine it runs on), compiled by LLVM for aarch64: this machine cannot run it.
-conversions.X86, conversions.ARM64, vector.X86 = False, True, False
+conversions.X86, conversions.ARM64, vector.X86, relay.X86 = False, True, False, False
 import ctypes
 from llvmlite import binding
 

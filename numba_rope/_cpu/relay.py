@@ -55,14 +55,13 @@ asked to stop.
 
 from __future__ import annotations
 
-import platform
-
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from numba.np.arrayobj import populate_array
 
+from numba_rope._conversions import X86
 from numba_rope._jit import cached_njit
 
 #: Slots of the control block (int64), in cache lines (8 slots) by who writes them (see
@@ -160,16 +159,13 @@ def compare_exchange(typingctx, block, slot, expected, new):
     return types.boolean(block, slot, expected, new), codegen
 
 
-_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
-
-
 @intrinsic
 def pause(typingctx):
     """A spin-wait hint (x86 ``pause``; nothing elsewhere): the spinning thread leaves
     the core's resources to its sibling and does not flood the memory system."""
 
     def codegen(context, builder, signature, args):
-        if _X86:
+        if X86:
             function = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause"
             )
