@@ -1213,6 +1213,13 @@ def test_compiled_plan_of_a_large_call_leaves_other_calls_to_the_general_path(
         before = list(fast_runs["one"])
         assert_bitwise_equal(call(), want)
         assert fast_runs["one"] == [before[0], before[1] + 1], name
+    # An output starting on a line whose rows do not (68-byte rows): never streamed, so
+    # left to the general path by a streaming plan, run by a plan that does not stream.
+    rows_off = np.empty((*shape[:-1], 17), np.float32)[..., :16]
+    before = list(fast_runs["one"])
+    assert_bitwise_equal(numba_rope.rotary_embedding(x, cos, sin, ids, out=rows_off), want)
+    ran_by_plan = planned is not aligned
+    assert fast_runs["one"] == [before[0] + ran_by_plan, before[1] + (not ran_by_plan)]
     ran = fast_runs["one"][0]
     assert_bitwise_equal(numba_rope.rotary_embedding(x, cos, sin, ids, out=planned), want)
     assert fast_runs["one"][0] == ran + 1  # the plan's own call still runs by it

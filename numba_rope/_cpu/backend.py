@@ -767,7 +767,7 @@ def make_plan(
     distinct_strides: dict[tuple[int, ...], bool] = {}  # outputs that are not C-contiguous
     # Calls left to run before remember_fast, by in_place (whether out is x, out_k is
     # k): calls in place and out of place share this plan but not a compiled one.
-    candidate = _fast_candidate(call, inputs, key_options, position_offset)
+    candidate = _fast_candidate(call, key_options, position_offset)
     countdowns: dict[int, int] = {}
 
     def distinct(out) -> bool:
@@ -961,7 +961,7 @@ def fast_key(
     return key if k is None else (*key, k.shape, out_k is k, num_kv_heads)
 
 
-def _fast_candidate(call: Call, inputs: tuple, key_options: tuple, position_offset: Any) -> bool:
+def _fast_candidate(call: Call, key_options: tuple, position_offset: Any) -> bool:
     """Whether calls of this validated signature may get a compiled plan: options that
     :func:`fast_key` can hold and positions that the compiled plan passes on as they
     are (ids, none, a Python ``int`` offset or a 1-D array of int64 offsets). Which
