@@ -1147,6 +1147,55 @@ def test_compiled_plans_of_large_calls_give_the_contract_bits(
     assert fast_runs["qk" if two else "one"] == _large_plans_counted(2)
 
 
+def _caches_of_other_lengths(rng, shape, lengths):
+    """For an input of ``shape``: ``(cos, sin, ids)`` with caches of each of
+    ``lengths`` rows, signatures that share a ``fast_key``."""
+    return [make_case(rng, shape, np.float32, n_positions=n)[1:] for n in lengths]
+
+
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_signatures_sharing_a_key_alternated_keep_a_compiled_plan_each(
+    rng, monkeypatch, fast_runs, size
+):
+    # fast_key holds no cache shapes: calls whose caches have other lengths (two caches
+    # in one program) share it. Each keeps its compiled plan; with one plan per key the
+    # newer took the place of the other, whose calls went to the general path for good.
+    if size == "large":
+        monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 64)
+    shape = (2, 4, 16, 16)
+    x = rng.standard_normal(shape).astype(np.float32)
+    signatures = _caches_of_other_lengths(rng, shape, (20, 40, 60))
+    assert len(signatures) <= cpu_backend.PLANS_PER_KEY
+    for _ in range(cpu_backend.FAST_AFTER + 1):  # the first call makes the Python plan
+        for cos, sin, ids in signatures:
+            numba_rope.rotary_embedding(x, cos, sin, ids)
+    fast_runs["one"][:] = [0, 0]
+    for _ in range(2):
+        for cos, sin, ids in signatures:
+            got = numba_rope.rotary_embedding(x, cos, sin, ids)
+            assert_bitwise_equal(got, float32_contract(x, cos, sin, ids))
+    assert len(cpu_backend.FAST) == 1
+    assert fast_runs["one"] == (_large_plans_counted(6) if size == "large" else [6, 0])
+
+
+def test_signatures_sharing_a_key_beyond_its_plans_leave_the_oldest_to_the_general_path(
+    rng, monkeypatch, fast_runs
+):
+    monkeypatch.setattr(cpu_backend, "PLANS_PER_KEY", 2)
+    shape = (2, 4, 16, 16)
+    x = rng.standard_normal(shape).astype(np.float32)
+    signatures = _caches_of_other_lengths(rng, shape, (20, 40, 60))
+    for cos, sin, ids in signatures:  # planned in turn: the third pushes out the first
+        _repeat(lambda: numba_rope.rotary_embedding(x, cos, sin, ids))  # noqa: B023
+    fast_runs["one"][:] = [0, 0]
+    for cos, sin, ids in signatures:
+        out = np.full_like(x, np.nan)
+        assert numba_rope.rotary_embedding(x, cos, sin, ids, out=out) is out
+        assert_bitwise_equal(out, float32_contract(x, cos, sin, ids))
+    assert fast_runs["one"] == [2, 1]
+    assert len(cpu_backend.FAST[next(iter(cpu_backend.FAST))][3]) == 2
+
+
 def _off_alignment(shape, dtype):
     """An output of ``shape`` whose first element is not on 16 bytes (never streamed)."""
     buffer = np.empty(int(np.prod(shape)) + 16, dtype)

@@ -914,13 +914,25 @@ def make_plan(
 
 # -- compiled plans: the small calls that a program makes again and again ----------------
 
-#: Compiled plans by :func:`fast_key`: ``(run, plan, runner)``, the function that runs
-#: a call by the plan (:func:`fast_call`), the plan (an int64 array, see
-#: :func:`~numba_rope._cpu.kernels.planned`) and the runner whose address the plan
-#: holds (kept alive with it); see :func:`remember_fast`. Emptied, with ``PLANS``, when
-#: a tuning constant of ``numba_rope.config`` changes (a plan holds the thresholds'
-#: choice and the work split of that moment) and when full.
+#: Compiled plans by :func:`fast_key`: ``(run, plan, runner, kept)``, the function that
+#: runs a call by the plan (:func:`fast_call`), the plan (an int64 array, see
+#: :func:`~numba_rope._cpu.kernels.planned`), the runner whose address the plan holds
+#: (kept alive with it) and ``kept``, the ``(run, plan, runner)`` of each plan under
+#: the key, newest first (at most :data:`PLANS_PER_KEY`); where there are several,
+#: ``run`` tries each in turn (:func:`first_that_runs`). See :func:`remember_fast`.
+#: Emptied, with ``PLANS``, when a tuning constant of ``numba_rope.config`` changes (a
+#: plan holds the thresholds' choice and the work split of that moment) and when full.
 FAST: dict[tuple, tuple] = {}
+
+#: Most compiled plans kept under one :func:`fast_key`. The key holds what a call can
+#: be told by cheaply, not the caches' shape: calls whose caches have other numbers of
+#: rows (two caches in one program) share it, and each such signature gets a plan of
+#: its own (one per Python plan, see :func:`make_plan`). With one plan per key the
+#: newer took the place of the other, whose calls went to the general path for good:
+#: alternating two such signatures cost the seed's calls 1.46x their time and the large
+#: call (2, 16, 512, 128) 1.17x (docs/performance.md, "Thirty-seventh session"). A
+#: call that the plan tried first refuses costs about 0.6-1 us more.
+PLANS_PER_KEY = 4
 
 #: Calls a Python plan runs (see :func:`make_plan`) before its signature gets a compiled
 #: plan: making one compiles, the first time on a machine, a runner for the kernel
@@ -990,7 +1002,8 @@ def remember_fast(
 ) -> None:
     """Give the signature of a call that its Python plan has just run (rows
     contiguous) a compiled plan under ``key`` (:func:`fast_key`, which
-    holds the dtypes of the input, the caches, the ids and the offsets). ``options``:
+    holds the dtypes of the input, the caches, the ids and the offsets; plans already
+    under it stay, tried after this one, up to :data:`PLANS_PER_KEY`). ``options``:
     its kernel options; ``positions``: as the kernels took them (ids, None, an int
     offset or int64 offsets); ``views``: the input, k (or None), the caches and the
     outputs (out_k None for one tensor) as the kernels take them (BHSD views, 16-bit
@@ -1048,11 +1061,29 @@ def remember_fast(
         plan, dtype, cache_dtype, to_bhsd, x_split, k_split, two, shared_size,
         (entry, shared_entry), ndims, large is not None,
     )  # fmt: skip
+    made = (run, plan, function)  # the runner kept alive with the plan that holds its address
+    before = FAST.get(key)
+    kept = (made,) if before is None else (made, *before[3][: PLANS_PER_KEY - 1])
     FAST[key] = (
-        run,
-        plan,
-        function,  # kept alive with the plan that holds its address
+        run if len(kept) == 1 else first_that_runs(tuple(m[0] for m in kept)),
+        *made[1:],
+        kept,
     )
+
+
+def first_that_runs(runs: tuple[Callable[..., Any], ...]) -> Callable[..., Any]:
+    """A function that runs a call by the first of ``runs`` (functions of compiled
+    plans under one :func:`fast_key`, see :func:`fast_call`) that takes it, or returns
+    None, having written nothing, when none does."""
+
+    def run(*args: Any) -> Any:
+        for one in runs:
+            result = one(*args)
+            if result is not None:
+                return result
+        return None
+
+    return run
 
 
 def entry_types(arrays: tuple) -> tuple:
