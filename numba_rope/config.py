@@ -55,6 +55,20 @@ HELPER_CHUNKS_PER_THREAD: int = 2
 #: give each thread whole tokens (:func:`numba_rope._cpu.backend.work_split`).
 TOKENS_PER_TILE: int = 8192
 
+#: Large ``bhsd`` calls whose cache rows for consecutive tokens lie further apart than a
+#: row (caches of positions broadcast over the batch, ``[batch, seq_len, half]`` with
+#: the batch the inner axis; transformers' ``cat(freqs, freqs)`` cut in half) take
+#: tiles short enough that a tile's rows span at most this many bytes of each cache, so
+#: that the heads of a tile find them in the CPU's cache (with tiles of
+#: :data:`TOKENS_PER_TILE` they were read again for every head: a prefetcher finds few
+#: such rows in a page). Before, such caches were copied into dense rows at each call.
+#: On the Intel AVX-512 VM (2 MiB of L2 per core), one process against that copy:
+#: 0.66-0.94x the time for calls of 8 to 64 MiB, but 1.01-1.10x for the float32 batch
+#: prefill (8, 32, 1024, 128) (128 MiB, bound by memory), whose C-contiguous caches take
+#: 0.89-0.94x; 32 KiB to 1 MiB were within 5% of each other there, no cap 1.24x
+#: (docs/performance.md, "Thirty-seventh session").
+CACHE_SPAN_BYTES: int = 256 << 10
+
 #: Outputs of at least this many bytes (q and k together) are written with non-temporal
 #: stores, straight to memory: a third less memory traffic (the output is not read into
 #: the cache first), but the result is not left in the cache for whoever reads it next,
@@ -98,6 +112,7 @@ _RANGES: dict[str, tuple[int, int | None]] = {
     "HELPER_MIN_ELEMENTS": (0, None),
     "HELPER_SPIN_MICROSECONDS": (0, None),
     "TOKENS_PER_TILE": (1, None),
+    "CACHE_SPAN_BYTES": (1, None),
     "STREAMING_MIN_BYTES": (0, None),
     "OUTPUT_POOL_BYTES": (0, None),
     "CUDA_THREADS_PER_BLOCK": (1, 1024),  # the hardware's limit per block

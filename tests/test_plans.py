@@ -1209,7 +1209,7 @@ def test_compiled_plan_of_a_large_call_leaves_other_calls_to_the_general_path(
 ):
     # A large call's compiled plan holds choices of the general path that depend on
     # more than the signature: whether the outputs are streamed (their alignment),
-    # whether the caches are packed (their rows' strides), the threads, and whether
+    # the tiles made for the caches (the bytes between their rows), the threads, and whether
     # a parallel region may run. A call that differs goes to the general path, which
     # chooses afresh; every call gives the contract's bits.
     shape = (2, 4, 16, 16)
@@ -1272,6 +1272,40 @@ def test_compiled_plan_of_a_large_call_leaves_other_calls_to_the_general_path(
     ran = fast_runs["one"][0]
     assert_bitwise_equal(numba_rope.rotary_embedding(x, cos, sin, ids, out=planned), want)
     assert fast_runs["one"][0] == ran + 1  # the plan's own call still runs by it
+
+
+def _rows_apart(cache, width):
+    """``cache`` (2-D, 8 channels) as the first 8 of rows ``width`` wide."""
+    wide = np.zeros((cache.shape[0], width), cache.dtype)
+    wide[:, :8] = cache
+    return wide[:, :8]
+
+
+def test_compiled_plan_of_a_large_call_with_cache_rows_apart(
+    rng, monkeypatch, fast_runs, large_calls
+):
+    # Caches whose rows lie apart (transformers' halves: rows twice their width apart)
+    # get a compiled plan too, with the general path's short tiles: tiles of 4 tokens
+    # here (config.CACHE_SPAN_BYTES over 64 bytes between rows). Caches whose rows lie
+    # next to each other, or further apart, go to the general path (tiles of their own).
+    monkeypatch.setattr(config, "CACHE_SPAN_BYTES", 4 * 64 + 32)
+    x, cos, sin, _ = make_case(rng, (2, 4, 16, 16), np.float32, n_positions=20)
+    ids = np.stack([np.arange(16), np.arange(4, 20)])  # each sequence's rows in turn
+    want = float32_contract(x, cos, sin, ids)
+    apart = _rows_apart(cos, 16), _rows_apart(sin, 16)
+    for _ in range(cpu_backend.FAST_AFTER + 2):  # the last one by the compiled plan
+        assert_bitwise_equal(numba_rope.rotary_embedding(x, *apart, ids), want)
+    counted = _large_plans_counted(1)
+    assert fast_runs["one"] == counted
+    if counted == [0, 0]:
+        pytest.skip("one numba thread: no large call runs in a parallel region")
+    (planned,) = cpu_backend.FAST.values()
+    assert planned[1][cpu_kernels.PLAN_TILE] == 4
+    further = _rows_apart(cos, 24), _rows_apart(sin, 24)
+    for name, caches in {"next to each other": (cos, sin), "further apart": further}.items():
+        before = list(fast_runs["one"])
+        assert_bitwise_equal(numba_rope.rotary_embedding(x, *caches, ids), want)
+        assert fast_runs["one"] == [before[0], before[1] + 1], name
 
 
 def test_compiled_plan_of_large_q_and_k_leaves_other_calls_to_the_general_path(

@@ -147,12 +147,17 @@ def _broadcast_caches(batch, seq_len, half, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_scattered_caches_of_a_large_call(rng, monkeypatch, parallel_always, dtype):
-    # Large calls (here: all, parallel_always) rotate from packed copies of such caches.
+    # Large calls (here: all, parallel_always) rotate such caches where they lie, in
+    # tiles whose rows span at most config.CACHE_SPAN_BYTES of each cache: here 3 rows
+    # 3 rows apart, tiles of 3 tokens, so a sequence of 9 takes 3 tiles.
+    from numba_rope import config
     from numba_rope._cpu import backend as cpu_backend
 
     x = rng.standard_normal((3, 4, 9, 16)).astype(dtype)
     k = rng.standard_normal((3, 2, 9, 16)).astype(dtype)
     cos, sin = _broadcast_caches(3, 9, 8, dtype)
+    step = 3 * 8 * cos.itemsize  # between a sequence's rows
+    monkeypatch.setattr(config, "CACHE_SPAN_BYTES", 3 * step + step // 2)
     cos_before = cos.copy()
     kernels, launched = cpu_backend.kernels, []
 
@@ -170,33 +175,39 @@ def test_scattered_caches_of_a_large_call(rng, monkeypatch, parallel_always, dty
     assert_bitwise_equal(got_q, float32_contract(x, cos, sin, None))
     assert_bitwise_equal(got_k, float32_contract(k, cos, sin, None))
     assert_bitwise_equal(cos, cos_before)
-    assert not cos.flags.c_contiguous  # the caller's caches are left as they are
-    arrays = [a for args in launched for a in args if isinstance(a, np.ndarray)]
-    assert len(launched) == 2 and not any(np.shares_memory(a, cos) for a in arrays)
+    assert len(launched) == 2
+    for args in launched:  # (x, k, cos, sin, positions, out, out_k, rotary_dim, check, tile, ...)
+        assert np.shares_memory(args[2], cos) and np.shares_memory(args[3], sin)
+        assert args[9] == 3
 
 
-def test_which_caches_are_packed(monkeypatch):
-    from numba_rope import config
+def test_which_caches_take_shorter_tiles():
+    # cache_step: the bytes between a sequence's consecutive cache rows where they are
+    # further apart than a row and not one buffer of cos and sin rows; else 0.
     from numba_rope._cpu import backend as cpu_backend
 
-    monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 1000)
-    cos, sin = _broadcast_caches(2, 8, 4, np.float32)  # 2 x 256 bytes
-    packed = cpu_backend.packed_caches(cos, sin, 1000, 2048)
-    assert_bitwise_equal(packed[0], cos)
-    assert_bitwise_equal(packed[1], sin)
-    # One buffer: row p of a sequence holds cos row p, then sin row p.
-    row = 4 * cos.itemsize
-    assert packed[0].strides == packed[1].strides == (8 * 2 * row, 2 * row, cos.itemsize)
-    assert packed[1].ctypes.data - packed[0].ctypes.data == row
-    assert packed[0].base is packed[1].base and packed[0].base.flags.c_contiguous
-    # Not for small calls, nor for caches more than a quarter of the input's bytes
-    # (each row would serve few heads), nor when their rows are dense already.
-    assert cpu_backend.packed_caches(cos, sin, 999, 2048) == (cos, sin)
-    assert cpu_backend.packed_caches(cos, sin, 1000, 2047)[0] is cos
-    contiguous = (np.ascontiguousarray(cos), np.ascontiguousarray(sin))
-    kept = cpu_backend.packed_caches(*contiguous, 1000, 2048)
-    assert kept[0] is contiguous[0] and kept[1] is contiguous[1]
-    assert cpu_backend.packed_caches(*packed, 1000, 2048) == packed
+    cos, sin = _broadcast_caches(2, 8, 4, np.float32)  # rows 2 rows apart
+    assert cpu_backend.cache_step(cos, sin) == 2 * 16
+    halves = np.zeros((2, 8, 8), np.float32)  # transformers' cat(freqs, freqs), cut
+    assert cpu_backend.cache_step(halves[..., :4], halves[..., :4].copy()[..., :4]) == 32
+    assert cpu_backend.cache_step(halves[..., :4], np.zeros((2, 8, 4), np.float32)) == 32
+    one_buffer = np.zeros((8, 2, 4), np.float32)  # vLLM's cos_sin_cache: dense
+    assert cpu_backend.cache_step(one_buffer[:, 0], one_buffer[:, 1]) == 0
+    assert cpu_backend.cache_step(np.ascontiguousarray(cos), np.ascontiguousarray(sin)) == 0
+    assert cpu_backend.cache_step(cos[:, :1], sin[:, :1]) == 0  # one row a sequence
+    reversed_rows = np.zeros((8, 4), np.float32)[::-1]  # a row apart: no shorter tiles
+    assert cpu_backend.cache_step(reversed_rows, reversed_rows) == 0
+    # The tiles: in parallel and head by head only, at most CACHE_SPAN_BYTES // step.
+    from numba_rope import config
+
+    span = config.CACHE_SPAN_BYTES
+    assert cpu_backend.work_split(1, 8, 4096, True, cache_step=span // 100)[0] == 100
+    assert cpu_backend.work_split(1, 8, 4096, True, cache_step=2 * span)[0] == 1
+    assert cpu_backend.work_split(1, 8, 4096, False, cache_step=span)[0] == config.TOKENS_PER_TILE
+    assert (
+        cpu_backend.work_split(1, 8, 4096, True, 2, True, span)[0]
+        == cpu_backend.work_split(1, 8, 4096, True, 2, True)[0]
+    )
 
 
 def _dense(cos, sin):

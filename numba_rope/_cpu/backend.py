@@ -30,7 +30,6 @@ from numba_rope import config
 from numba_rope._conversions import BFLOAT16_STORAGE, FLOAT16_STORAGE
 from numba_rope._cpu import helper, pool
 from numba_rope._cpu.kernels import (
-    CACHES_DENSE,
     DONE,
     FIRST_IN_PLACE,
     OVERLAP,
@@ -412,6 +411,7 @@ def work_split(
     parallel: bool,
     threads: int | None = None,
     token_major: bool = False,
+    cache_step: int = 0,
 ) -> tuple[int, int, int]:
     """``(tile, n_groups, n_chunks)`` for an input of this logical shape.
 
@@ -423,10 +423,17 @@ def work_split(
     chunks (e.g. one long decode step with many heads). ``token_major`` (the kernels
     that take a unit token by token, see :func:`token_major`): tiles short enough that
     each chunk gets whole tokens (consecutive memory) rather than a group of heads.
+    ``cache_step`` (:func:`cache_step`, in parallel and not ``token_major``): tiles
+    whose cache rows span at most ``config.CACHE_SPAN_BYTES`` of each cache.
+
+    >>> work_split(1, 32, 4096, False), work_split(1, 32, 4096, True, 2, cache_step=2048)[0]
+    ((8192, 1, 1), 128)
     """
     tile = max(1, config.TOKENS_PER_TILE)
     if not parallel:
         return tile, 1, 1
+    if cache_step and not token_major:
+        tile = max(1, min(tile, config.CACHE_SPAN_BYTES // cache_step))
     if threads is None:
         n_chunks = max(1, numba.get_num_threads() * config.CHUNKS_PER_THREAD)
     else:  # shared with the helper thread: at most what its claims can count
@@ -450,45 +457,30 @@ def token_major(x: np.ndarray) -> bool:
     return x.shape[2] == 1 or (x.shape[1] > 1 and abs(x.strides[1]) < abs(x.strides[2]))
 
 
-def packed_caches(cos, sin, size: int, nbytes: int) -> tuple:
-    """The caches of a call with ``size`` input elements of ``nbytes`` bytes, copied
-    into one buffer whose row ``p`` holds cos row ``p`` then sin row ``p`` (returned
-    as two views of it) when their rows are not dense already (:func:`rows_dense`),
-    the call is large (``config.PARALLEL_MIN_ELEMENTS``) and they are small beside it
-    (together at most a quarter of the input's bytes, so each row serves several
-    heads).
+def cache_step(cos, sin) -> int:
+    """0 where a sequence's consecutive cache rows lie next to each other
+    (:func:`rows_dense`) or a sequence has one row; else the distance in bytes between
+    consecutive rows, the larger of the two caches': a large call then takes tiles that
+    span at most ``config.CACHE_SPAN_BYTES`` of each (:func:`work_split`). Such rows
+    come from positions broadcast over the batch (``np.cos(positions[..., None] *
+    frequencies)`` gives strides ``(half, batch * half, 1)`` elements: a row every
+    ``batch`` rows) and from transformers' ``cat(freqs, freqs)`` cut in half.
 
-    A unit of work reuses its tile's cos/sin rows for every head. Caches computed from
-    broadcast positions (``np.cos(positions[..., None] * frequencies)`` with positions
-    broadcast over the batch) come out with strides ``(half, batch * half, 1)``
-    elements: a tile's rows lie a power of two apart, fall into a few cache sets and
-    are read again from L3 for every head. Packed, the batch prefill (8, 32, 1024,
-    128) with such caches took 7.6 instead of 15.0 ms in float16 and 15.0 instead of
-    18.4 ms in float32 (one process; with C-contiguous caches 6.1-7.4 and 12.9-14.5
-    ms). Copying the caches costs at most a quarter of a copy of the input, and
-    changes no result.
+    Until 2026-12-05 such caches were copied, at each large call, into one buffer of
+    rows next to each other (a copy of up to a quarter of the input's bytes, and no
+    compiled plan for these calls); shorter tiles read them where they lie, mostly in
+    less time (``config.CACHE_SPAN_BYTES``).
 
-    One buffer rather than two C-contiguous copies: a head then reads one stream of
-    cache rows rather than two, which large ``bhsd`` calls read faster (0.82-1.01x the
-    time of two C-contiguous caches in one process; docs/performance.md, "Seventh
-    session"). Caches already in that form (vLLM's ``cos_sin_cache`` split in halves)
-    are used as they are: copied, vLLM's op on a 4096-token prefill took 1.05-1.15x
-    the time.
+    >>> cos = np.zeros((4, 2, 8), np.float32).transpose(1, 0, 2)  # 2 sequences, rows 2 apart
+    >>> cache_step(cos, cos), cache_step(np.ascontiguousarray(cos), cos.copy())
+    (64, 0)
     """
-    if size < config.PARALLEL_MIN_ELEMENTS or not may_pack(cos, sin, nbytes):
-        return cos, sin
-    if rows_dense(cos, sin):
-        return cos, sin
-    both = np.empty((*cos.shape[:-1], 2, cos.shape[-1]), cos.dtype)
-    both[..., 0, :] = cos
-    both[..., 1, :] = sin
-    return both[..., 0, :], both[..., 1, :]
-
-
-def may_pack(cos, sin, nbytes: int) -> bool:
-    """Whether caches are small enough beside inputs of ``nbytes`` bytes for
-    :func:`packed_caches` to pack them (together at most a quarter of the bytes)."""
-    return 4 * (cos.nbytes + sin.nbytes) <= nbytes
+    if cos.shape[-2] < 2:
+        return 0
+    step = max(abs(cos.strides[-2]), abs(sin.strides[-2]))
+    if step <= cos.shape[-1] * cos.itemsize or rows_dense(cos, sin):
+        return 0
+    return step
 
 
 def rows_dense(cos, sin) -> bool:
@@ -555,15 +547,14 @@ def launch(
     ``report``: a dict given by a plan (:func:`make_plan`), into which what was
     chosen is written for a compiled plan of a large call (:func:`remember_fast`):
     ``options`` (the runner's), ``split`` (``(tile, n_groups, n_chunks)``),
-    ``parallel`` (numba's parallel region), ``packed`` (caches copied by
-    :func:`packed_caches`), ``contiguous`` and ``stream``.
+    ``parallel`` (numba's parallel region), ``caches`` (:func:`cache_step`),
+    ``contiguous`` and ``stream``.
     """
     x, out = views[0]
     k, out_k = views[1] if len(views) > 1 else (None, None)
     in_place = sum(flag for flag, (i, o) in zip(_IN_PLACE_FLAGS, views, strict=False) if i is o)
     cos, sin, positions = args
     size = sum(v.size for v, _ in views)
-    cos, sin = packed_caches(cos, sin, size, sum(v.nbytes for v, _ in views))
     contiguous, words = row_format(*(a for pair in views for a in pair), cos, sin)
     stream = streaming(
         call.rotary_dim, call.interleaved, *(o for _, o in views), inputs=tuple(x for x, _ in views)
@@ -575,14 +566,15 @@ def launch(
     in_parallel = _parallel(size)
     relay = not in_parallel and helper.usable(size)
     heads = max(v.shape[1] for v, _ in views)
+    step = cache_step(cos, sin) if in_parallel else 0
     tile, n_groups, n_chunks = work_split(
-        batch, heads, seq_len, in_parallel or relay, 2 if relay else None, by_token
+        batch, heads, seq_len, in_parallel or relay, 2 if relay else None, by_token, step
     )
     arguments = (x, k, cos, sin, positions, out, out_k, call.rotary_dim, check_overlap)
     if report is not None:
         report.update(
             options=chosen.options, split=(tile, n_groups, n_chunks), parallel=in_parallel,
-            packed=cos is not args[0], contiguous=contiguous, stream=stream,
+            caches=step, contiguous=contiguous, stream=stream,
         )  # fmt: skip
     if in_parallel:
         return _run_parallel(chosen.parallel, (*arguments, tile, n_groups, n_chunks, runner))
@@ -707,8 +699,7 @@ def make_plan(
     gives it a compiled plan (:func:`remember_fast`) after ``FAST_AFTER`` calls with
     contiguous rows, counted apart for calls in place and out of place (compiled
     plans of their own): calls on the calling thread or shared with the helper, and
-    large calls that ran in numba's parallel region on the caches as given (not
-    packed by :func:`packed_caches`). The general path's Python work took 60-100 us
+    large calls that ran in numba's parallel region. The general path's Python work took 60-100 us
     per large call on the Intel VM, as the call before had pushed Python's own data
     out of the CPU's caches (docs/performance.md, "Thirty-sixth session"); the
     compiled plan's is one hop.
@@ -881,8 +872,8 @@ def make_plan(
     def run_large(x, k, cos, sin, cache, position_ids, positions, out, out_k, offset, views,
                   in_place):  # fmt: skip
         # A large call: launched as the general path launches it (parallel region,
-        # streaming stores, packed caches), its choices then giving the signature a
-        # compiled plan when it ran in numba's parallel region on the caches as given.
+        # streaming stores, tiles for the caches' rows), its choices then giving the
+        # signature a compiled plan when it ran in numba's parallel region.
         x_view, k_view, out_view, out_k_view = views
         pairs = ((out_view, out_view) if in_place & FIRST_IN_PLACE else (x_view, out_view),)
         if two:
@@ -892,20 +883,19 @@ def make_plan(
         if launch(pairs, (cos, sin, positions), call, report=report) != DONE:
             return None
         left = countdowns.get(in_place, FAST_AFTER)
-        if left and report["contiguous"] and report["parallel"] and not report["packed"]:
+        if left and report["contiguous"] and report["parallel"]:
             countdowns[in_place] = left - 1
             if left == 1:
                 outs = tuple(o for _, o in pairs)
                 stream = 0  # no call of these shapes streams, or in place (never)
                 if not in_place and streamable_shapes(rotary_dim, call.interleaved, *outs):
                     stream = STREAM_ALIGNED if report["stream"] else STREAM_UNALIGNED
-                packs = size >= config.PARALLEL_MIN_ELEMENTS and may_pack(cos, sin, nbytes)
                 remember_fast(
                     fast_key(x, k, cache, position_ids, out, out_k, *key_options, offset),
                     report["options"], rotary_dim, positions,
                     (x_view, k_view, cos, sin, out_view, out_k_view),
                     (to_bhsd, x_split, k_split), report["split"],
-                    (thread_count(), stream, CACHES_DENSE if packs else 0),
+                    (thread_count(), stream, report["caches"]),
                 )  # fmt: skip
         return (out, out_k) if two else out
 

@@ -962,8 +962,9 @@ PLAN_CHUNKS = PLAN_GROUPS + 1
 #: Of the plans of large calls (:func:`planned_parallel`; 0 in the others): numba's
 #: thread count for this thread when the plan was made (the split is made for it),
 #: whether the outputs are streamed (:data:`STREAM_ALIGNED`, :data:`STREAM_UNALIGNED`,
-#: or 0 where no call of the plan's shapes and options streams) and whether the
-#: caches must be dense (:data:`CACHES_DENSE`, see ``backend.packed_caches``).
+#: or 0 where no call of the plan's shapes and options streams) and the caches' step
+#: between rows its tiles were made for (``backend.cache_step``: 0 for rows next to each
+#: other); a call whose caches' step differs is left to the general path.
 PLAN_THREADS = PLAN_CHUNKS + 1
 PLAN_STREAM = PLAN_THREADS + 1
 PLAN_CACHES = PLAN_STREAM + 1
@@ -986,10 +987,6 @@ PLAN_SLOTS = PLAN_BLOCK + relay.BLOCK_SLOTS
 #: not is left to the general path. :data:`STREAM_UNALIGNED`: the other way round.
 STREAM_ALIGNED = 1
 STREAM_UNALIGNED = 2
-#: :data:`PLAN_CACHES` of a plan whose calls the general path would give packed caches
-#: unless their rows are dense (``backend.packed_caches``): a call with caches that
-#: are not is left to it.
-CACHES_DENSE = 1
 
 
 def _shape_is(array, plan, slot):  # pragma: no cover - see overload
@@ -1069,6 +1066,25 @@ def _stream_aligned_overload(out):
             if out.strides[i] % STREAM_ALIGNMENT:
                 return False
         return True
+
+    return impl
+
+
+def _cache_step(cos, sin):  # pragma: no cover - see overload
+    """``backend.cache_step`` in compiled code, for caches of equal shapes."""
+    raise NotImplementedError
+
+
+@overload(_cache_step)  # not inlined, as _shape_is
+def _cache_step_overload(cos, sin):
+    def impl(cos, sin):
+        last = cos.ndim - 1
+        if cos.shape[last - 1] < 2:
+            return 0
+        step = max(abs(cos.strides[last - 1]), abs(sin.strides[last - 1]))
+        if step <= cos.shape[last] * cos.itemsize or _rows_dense(cos, sin):
+            return 0
+        return step
 
     return impl
 
@@ -1167,8 +1183,8 @@ def _fits_plan(x, k, cos, sin, positions, out, out_k, plan, large):
     no output overlapping an input and every position in range (:func:`_checked`);
     for a plan of a large call (``large``, a constant: the small calls' entries
     compile none of it) also the outputs streamed as the plan's runner streams
-    (:data:`PLAN_STREAM`) and caches that the general path would not pack
-    (:data:`PLAN_CACHES`)."""
+    (:data:`PLAN_STREAM`) and caches of the step between rows that its tiles were
+    made for (:data:`PLAN_CACHES`)."""
     if not (
         _shape_is(x, plan, PLAN_X)
         and _shape_is(k, plan, PLAN_K)
@@ -1196,7 +1212,7 @@ def _fits_plan(x, k, cos, sin, positions, out, out_k, plan, large):
             stream == STREAM_ALIGNED
         ):
             return False
-        if plan[PLAN_CACHES] == CACHES_DENSE and not _rows_dense(cos, sin):
+        if _cache_step(cos, sin) != plan[PLAN_CACHES]:
             return False
     return _checked(x, k, cos, sin, positions, out, out_k, True) == DONE
 
