@@ -63,9 +63,9 @@ TOKENS_PER_TILE: int = 8192
 #: :data:`TOKENS_PER_TILE` they were read again for every head: a prefetcher finds few
 #: such rows in a page). Before, such caches were copied into dense rows at each call.
 #: On the Intel AVX-512 VM (2 MiB of L2 per core), one process against that copy:
-#: 0.66-0.94x the time for calls of 8 to 64 MiB, but 1.01-1.10x for the float32 batch
+#: 0.64-0.94x the time for calls of 8 to 64 MiB, but 1.01-1.10x for the float32 batch
 #: prefill (8, 32, 1024, 128) (128 MiB, bound by memory), whose C-contiguous caches take
-#: 0.89-0.94x; 32 KiB to 1 MiB were within 5% of each other there, no cap 1.24x
+#: 0.89-0.94x; there 32 KiB to 1 MiB took 1.06-1.15x, no cap 1.24x
 #: (docs/performance.md, "Thirty-seventh session").
 CACHE_SPAN_BYTES: int = 256 << 10
 
