@@ -148,8 +148,9 @@ def _broadcast_caches(batch, seq_len, half, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_scattered_caches_of_a_large_call(rng, monkeypatch, parallel_always, dtype):
     # Large calls (here: all, parallel_always) rotate such caches where they lie, in
-    # tiles whose rows span at most config.CACHE_SPAN_BYTES of each cache: here 3 rows
-    # 3 rows apart, tiles of 3 tokens, so a sequence of 9 takes 3 tiles.
+    # tiles whose rows span at most config.CACHE_SPAN_BYTES of each cache: here rows 3
+    # rows apart (a batch of 3) and a span of 3.5 such steps, so tiles of 3 tokens, and
+    # a sequence of 9 takes 3 tiles.
     from numba_rope import config
     from numba_rope._cpu import backend as cpu_backend
 
@@ -189,7 +190,8 @@ def test_which_caches_take_shorter_tiles():
     cos, sin = _broadcast_caches(2, 8, 4, np.float32)  # rows 2 rows apart
     assert cpu_backend.cache_step(cos, sin) == 2 * 16
     halves = np.zeros((2, 8, 8), np.float32)  # transformers' cat(freqs, freqs), cut
-    assert cpu_backend.cache_step(halves[..., :4], halves[..., :4].copy()[..., :4]) == 32
+    assert cpu_backend.cache_step(halves[..., :4], np.ones((2, 8, 8), np.float32)[..., :4]) == 32
+    assert cpu_backend.cache_step(halves[..., :4], halves[..., 4:]) == 0  # one buffer, as vLLM's
     assert cpu_backend.cache_step(halves[..., :4], np.zeros((2, 8, 4), np.float32)) == 32
     one_buffer = np.zeros((8, 2, 4), np.float32)  # vLLM's cos_sin_cache: dense
     assert cpu_backend.cache_step(one_buffer[:, 0], one_buffer[:, 1]) == 0
@@ -201,7 +203,8 @@ def test_which_caches_take_shorter_tiles():
     from numba_rope import config
 
     span = config.CACHE_SPAN_BYTES
-    assert cpu_backend.work_split(1, 8, 4096, True, cache_step=span // 100)[0] == 100
+    step = span // 100
+    assert cpu_backend.work_split(1, 8, 4096, True, cache_step=step)[0] == span // step
     assert cpu_backend.work_split(1, 8, 4096, True, cache_step=2 * span)[0] == 1
     assert cpu_backend.work_split(1, 8, 4096, False, cache_step=span)[0] == config.TOKENS_PER_TILE
     assert (
