@@ -699,10 +699,10 @@ def make_plan(
     gives it a compiled plan (:func:`remember_fast`) after ``FAST_AFTER`` calls with
     contiguous rows, counted apart for calls in place and out of place (compiled
     plans of their own): calls on the calling thread or shared with the helper, and
-    large calls that ran in numba's parallel region. The general path's Python work took 60-100 us
-    per large call on the Intel VM, as the call before had pushed Python's own data
-    out of the CPU's caches (docs/performance.md, "Thirty-sixth session"); the
-    compiled plan's is one hop.
+    large calls that ran in numba's parallel region. The general path's Python work
+    took 60-100 us per large call on the Intel VM, as the call before had pushed
+    Python's own data out of the CPU's caches (docs/performance.md, "Thirty-sixth
+    session"); the compiled plan's is one hop.
     """
     # One function with a closure, not helpers: everything the plan can decide once is
     # decided here, and each helper call on its path would cost the small call a
