@@ -91,6 +91,7 @@ def test_decode_steps_go_token_by_token_with_the_contract_bits(rng, monkeypatch,
         cpu_backend, "kernels", lambda *args: requested.append(args) or kernels(*args)
     )
     monkeypatch.setattr(cpu_backend, "PLANS", {})  # the general path, then a plan
+    monkeypatch.setattr(cpu_backend, "FAST", {})  # (no compiled plan of an earlier test)
     x, cos, sin, ids = make_case(rng, (5, 6, 1, 20), dtype, rotary_dim=12)
     options = {"interleaved": True, "rotary_embedding_dim": 12}
     want = float32_contract(x, cos, sin, ids, True, 12)
@@ -310,6 +311,7 @@ def _run_on(monkeypatch, run: str) -> None:
     if run == "helper":
         monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", 0)
     cpu_backend.PLANS.clear()
+    cpu_backend.FAST.clear()
 
 
 @pytest.mark.parametrize("run", ["serial", "helper", "parallel"])
