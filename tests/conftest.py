@@ -161,6 +161,19 @@ if COMPILING_UNTRACED:
         setattr(owner, name, wrap(getattr(owner, name)))
 
 
+# -- order: the long tests first -------------------------------------------------------
+#
+# The tests of these files take tens of seconds each (they compile every kernel for
+# other CPUs in a process of their own): run first, so that xdist's workers
+# (--dist worksteal, pyproject.toml) share out the many short tests after them and
+# finish together, instead of one waiting while the other ends on a two-minute test.
+LONG_FIRST = ("test_targets.py",)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    items.sort(key=lambda item: item.path.name not in LONG_FIRST)  # stable: else as found
+
+
 DEVICES = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
 
 
