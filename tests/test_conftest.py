@@ -1,6 +1,7 @@
 """The suite's own machinery in ``conftest.py``."""
 
 import os
+import pathlib
 import sys
 
 from numba import njit
@@ -87,3 +88,18 @@ def test_without_the_pauses_numba_is_traced(monkeypatch):
         monkeypatch.setattr(owner, "run_pass", owner.run_pass.__wrapped__)
     during, _ = _compile_traced()
     assert TYPE_INFERENCE in during and INLINING in during and LOWERING in during
+
+
+def test_the_long_tests_are_collected_first():
+    """The files of conftest.LONG_FIRST move to the front, everything else keeping its
+    order (xdist's workers then end on short tests, not on a two-minute one)."""
+
+    class Item:
+        def __init__(self, name):
+            self.path = pathlib.Path("tests") / name
+
+    items = [Item(name) for name in ("test_a.py", "test_targets.py", "test_b.py")]
+    items += [Item("test_targets.py"), Item("test_a.py")]
+    expected = [items[1], items[3], items[0], items[2], items[4]]
+    conftest.pytest_collection_modifyitems(items)
+    assert items == expected
