@@ -1,5 +1,6 @@
 import functools
 import os
+import random
 import shutil
 import sys
 import threading
@@ -170,8 +171,22 @@ if COMPILING_UNTRACED:
 LONG_FIRST = ("test_targets.py",)
 
 
-def pytest_collection_modifyitems(items: list) -> None:
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--shuffle",
+        type=int,
+        metavar="SEED",
+        default=None,
+        help="run the tests in an order shuffled by SEED (the same in every xdist worker): "
+        "no test may depend on the ones before it, and worksteal's order varies anyway",
+    )
+
+
+def pytest_collection_modifyitems(config, items: list) -> None:
     items.sort(key=lambda item: item.path.name not in LONG_FIRST)  # stable: else as found
+    seed = config.getoption("--shuffle", None)
+    if seed is not None:
+        random.Random(seed).shuffle(items)
 
 
 DEVICES = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]

@@ -90,16 +90,35 @@ def test_without_the_pauses_numba_is_traced(monkeypatch):
     assert TYPE_INFERENCE in during and INLINING in during and LOWERING in during
 
 
-def test_the_long_tests_are_collected_first():
+def test_the_long_tests_are_collected_first_and_shuffle_shuffles():
     """The files of conftest.LONG_FIRST move to the front, everything else keeping its
-    order (xdist's workers then end on short tests, not on a two-minute one)."""
+    order (xdist's workers then end on short tests, not on a two-minute one); with
+    ``--shuffle SEED`` the order is shuffled."""
 
     class Item:
         def __init__(self, name):
             self.path = pathlib.Path("tests") / name
 
+    class Config:
+        def __init__(self, seed):
+            self.seed = seed
+
+        def getoption(self, name, default=None):
+            assert name == "--shuffle"
+            return self.seed
+
     items = [Item(name) for name in ("test_a.py", "test_targets.py", "test_b.py")]
     items += [Item("test_targets.py"), Item("test_a.py")]
     expected = [items[1], items[3], items[0], items[2], items[4]]
-    conftest.pytest_collection_modifyitems(items)
+    conftest.pytest_collection_modifyitems(Config(None), items)
     assert items == expected
+    # --shuffle SEED: a permutation of them all, the same for the same seed (every xdist
+    # worker must collect one order), another for another seed.
+    many = [Item(f"test_{n}.py") for n in range(40)]
+    orders = []
+    for seed in (1, 1, 2):
+        shuffled = list(many)
+        conftest.pytest_collection_modifyitems(Config(seed), shuffled)
+        assert sorted(map(id, shuffled)) == sorted(map(id, many))
+        orders.append([many.index(item) for item in shuffled])
+    assert orders[0] == orders[1] != orders[2] and orders[0] != list(range(40))
