@@ -1,11 +1,25 @@
-"""A stand-in for ``numba_rope._cpu.backend.FAST`` that reports each call its compiled
-plans take: for the tests of compiled plans, in this process and in forked children
-(``tests/test_robustness.py`` runs scripts that import it from this folder)."""
+"""The plan tables of ``numba_rope._cpu.backend`` in tests: empty ones for a test that
+must not find an earlier test's plans, and a stand-in for ``FAST`` that reports each call
+its compiled plans take, for the tests of compiled plans, in this process and in forked
+children (``tests/test_robustness.py`` runs scripts that import it from this folder)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+
+def fresh_plan_tables(monkeypatch: Any) -> None:
+    """Empty tables of plans, Python (``PLANS``) and compiled (``FAST``), for the rest of
+    the test (the process's own back after it): a test that wants the general path, or
+    that a call of its own made a plan, must find no plan of an earlier test, whatever
+    ran before it (xdist's worksteal varies the order). Forgetting ``PLANS`` alone
+    leaves the compiled plans, which calls try first; and a table an earlier test
+    filled to ``MAX_PLANS`` starts again at the next plan, in the middle of the test."""
+    from numba_rope._cpu import backend
+
+    monkeypatch.setattr(backend, "PLANS", {})
+    monkeypatch.setattr(backend, "FAST", {})
 
 
 def counting_plans(note: Callable[[str, bool], None]) -> dict:

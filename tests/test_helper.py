@@ -22,6 +22,7 @@ import numba
 import numpy as np
 import pytest
 from oracles import BFLOAT16, assert_bitwise_equal, float32_contract, make_case
+from plan_counting import fresh_plan_tables
 
 import numba_rope
 from numba_rope import config
@@ -38,7 +39,7 @@ def relay_always(monkeypatch):
     """Every call below the parallel kernels' size goes through the helper's job
     protocol, and the options of the relayed kernels launched are recorded."""
     monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(cpu_backend, "PLANS", {})
+    fresh_plan_tables(monkeypatch)
     asked = []
     kernels = cpu_backend.kernels
 

@@ -26,11 +26,9 @@ DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BFLOAT16]
 
 @pytest.fixture(autouse=True)
 def no_plans():
-    cpu_backend.PLANS.clear()
-    cpu_backend.FAST.clear()
+    cpu_backend._forget_fast()  # both tables: Python plans and compiled ones
     yield
-    cpu_backend.PLANS.clear()
-    cpu_backend.FAST.clear()
+    cpu_backend._forget_fast()
 
 
 def _planned(x, cos, sin, ids, out, interleaved=False, rotary_dim=0, layout="bhsd"):
@@ -378,8 +376,7 @@ def _assert_same_without_plans(calls, with_plan):
     """Each of ``calls`` gives, with every plan forgotten (the general path alone), what
     it gave with the plans (``with_plan``, by :func:`_outcome`)."""
     for name, call in calls.items():
-        cpu_backend.FAST.clear()
-        cpu_backend.PLANS.clear()
+        cpu_backend._forget_fast()
         assert with_plan[name] == _outcome(call), name
 
 

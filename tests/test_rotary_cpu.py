@@ -19,6 +19,7 @@ from oracles import (
     make_case,
     tensorrt_reference,
 )
+from plan_counting import fresh_plan_tables
 
 import numba_rope
 
@@ -90,8 +91,7 @@ def test_decode_steps_go_token_by_token_with_the_contract_bits(rng, monkeypatch,
     monkeypatch.setattr(
         cpu_backend, "kernels", lambda *args: requested.append(args) or kernels(*args)
     )
-    monkeypatch.setattr(cpu_backend, "PLANS", {})  # the general path, then a plan
-    monkeypatch.setattr(cpu_backend, "FAST", {})  # (no compiled plan of an earlier test)
+    fresh_plan_tables(monkeypatch)  # the general path, then a plan
     x, cos, sin, ids = make_case(rng, (5, 6, 1, 20), dtype, rotary_dim=12)
     options = {"interleaved": True, "rotary_embedding_dim": 12}
     want = float32_contract(x, cos, sin, ids, True, 12)
@@ -270,12 +270,11 @@ def test_any_work_split_gives_the_contract_bits(rng, monkeypatch, shape, tile, p
     # Token tiles (several per sequence, one partial), head groups (one sequence of one
     # token over many heads) and chunks of units: every split gives the same bits.
     from numba_rope import config
-    from numba_rope._cpu import backend as cpu_backend
 
     monkeypatch.setattr(config, "TOKENS_PER_TILE", tile)
     if parallel:
         monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 0)
-    cpu_backend.PLANS.clear()
+    fresh_plan_tables(monkeypatch)
     x, cos, sin, ids = make_case(rng, shape, BFLOAT16)
     k = rng.standard_normal((shape[0], 2, shape[2], shape[3])).astype(BFLOAT16)
     for interleaved in (False, True):
@@ -304,14 +303,12 @@ def _run_on(monkeypatch, run: str) -> None:
     small calls do), "helper" (shared with the helper thread) or "parallel" (numba's
     parallel region), however small; no remembered plan from an earlier test."""
     from numba_rope import config
-    from numba_rope._cpu import backend as cpu_backend
 
     if run == "parallel":
         monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 0)
     if run == "helper":
         monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", 0)
-    cpu_backend.PLANS.clear()
-    cpu_backend.FAST.clear()
+    fresh_plan_tables(monkeypatch)
 
 
 @pytest.mark.parametrize("run", ["serial", "helper", "parallel"])

@@ -8,6 +8,7 @@ import itertools
 import numpy as np
 import pytest
 from oracles import BFLOAT16, assert_bitwise_equal, float32_contract, make_case
+from plan_counting import fresh_plan_tables
 
 import numba_rope
 from numba_rope import config
@@ -67,7 +68,7 @@ def stream_always(monkeypatch):
     """Every eligible output streams, however small; calls never take a plan (plans run
     small inputs, which never stream), and the kernel options asked for are recorded."""
     monkeypatch.setattr(config, "STREAMING_MIN_BYTES", 0)
-    monkeypatch.setattr(cpu_backend, "PLANS", {})
+    fresh_plan_tables(monkeypatch)
     monkeypatch.setattr(cpu_backend, "remember_plan", lambda key, plan: None)
     requested = []
     kernels = cpu_backend.kernels
@@ -294,7 +295,7 @@ def test_plans_leave_streamed_outputs_to_the_general_path(rng, monkeypatch):
     # or above the streaming threshold takes the general path every time, so a lowered
     # threshold applies to small repeated calls as well (single and q+k).
     monkeypatch.setattr(config, "STREAMING_MIN_BYTES", 0)
-    monkeypatch.setattr(cpu_backend, "PLANS", {})
+    fresh_plan_tables(monkeypatch)
     requested = []
     kernels = cpu_backend.kernels
     monkeypatch.setattr(

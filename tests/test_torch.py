@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from oracles import BFLOAT16, float32_contract
+from plan_counting import fresh_plan_tables
 
 import numba_rope
 from numba_rope import reference
@@ -110,8 +111,7 @@ def _capture_backend_run(monkeypatch):
     the general path: no remembered plans)."""
     seen: dict = {}
     original = cpu_backend.run
-    monkeypatch.setattr(cpu_backend, "PLANS", {})
-    monkeypatch.setattr(cpu_backend, "FAST", {})  # an earlier test's compiled plans
+    fresh_plan_tables(monkeypatch)
     monkeypatch.setattr(cpu_backend, "remember_plan", lambda key, plan: None)
 
     def run(call, inputs, outs, cos, sin, *rest):
@@ -172,9 +172,7 @@ def test_repeated_small_calls_take_the_plans_of_numpy_calls(rng, monkeypatch, dt
     x, cos, sin = case(rng, dtype)
     expected = reference.rotary_embedding(x, cos, sin, position_offset=2, precision="contract")
     tc, ts = tensor(cos), tensor(sin)
-    # No plans of earlier tests: the 512th remembered would empty the table mid-test.
-    monkeypatch.setattr(cpu_backend, "PLANS", {})
-    monkeypatch.setattr(cpu_backend, "FAST", {})
+    fresh_plan_tables(monkeypatch)
     numba_rope.rotary_embedding(tensor(x.copy()), tc, ts, position_offset=2)  # a plan now
     out = torch.zeros(x.shape, dtype=getattr(torch, dtype_name))
     numba_rope.rotary_embedding(tensor(x.copy()), tc, ts, position_offset=2, out=out)
