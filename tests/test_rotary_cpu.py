@@ -629,6 +629,55 @@ def test_bfloat16_two_per_word_at_any_alignment(rng, head_size, rotary_dim, star
     assert set(np.unique(x.view(np.uint16)[nan & rotated]) & 0x7FFF) == {0x7FC0}
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [
+        (np.float32, np.float32),
+        (np.float16, np.float16),
+        (np.float16, np.float32),
+        (BFLOAT16, BFLOAT16),
+        (BFLOAT16, np.float32),
+    ],
+    ids=["float32", "float16", "float16-float32-caches", "bfloat16", "bfloat16-float32-caches"],
+)
+def test_rows_of_pairs_past_the_widest_steps(rng, dtype, cache_dtype, interleaved):
+    # With ordinary stores, rows whose rotated pairs are not a multiple of 8 go on with
+    # narrower steps (vector.*_TAIL_WIDTHS: 4 pairs; bfloat16 words 2 words and 1,
+    # interleaved ones 4, 2 and 1 pairs) before the element loop: GPT-NeoX-20B's 24
+    # channels of 96 (12 pairs = 8 + 4), StableLM's 20 of 80 (8 + 2), 28 (8 + 4 + 2),
+    # 40, odd pair counts (13, 7: one pair left for the element loop) and rows shorter
+    # than a step (3 pairs). Decode rows (one token: cache rows widened once per
+    # token, bfloat16's in the order of the word steps), head-major rows, bshd rows, in
+    # place, the inverse, q with k, and NaN and infinities in the input and the caches:
+    # the contract's bits.
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 65504.0])
+    for head_size, rotary_dim in ((96, 24), (80, 20), (30, 28), (64, 40), (30, 26), (14, 14),
+                                  (9, 6)):  # fmt: skip
+        for shape in ((3, 6, 1, head_size), (2, 3, 5, head_size)):
+            x, cos, sin, ids = make_case(
+                rng, shape, dtype, rotary_dim=rotary_dim, cache_dtype=cache_dtype
+            )
+            x[0, 1, 0, : len(specials)] = specials[:head_size].astype(dtype)
+            cos[ids[1, 0], :2] = specials[:2].astype(cache_dtype)
+            sin[ids[-1, -1], 1:3] = specials[1:3].astype(cache_dtype)
+            k = rng.standard_normal((shape[0], 2, *shape[2:])).astype(dtype)
+            options = dict(interleaved=interleaved, rotary_embedding_dim=rotary_dim)
+            want = float32_contract(x, cos, sin, ids, interleaved, rotary_dim)
+            for _ in range(2):  # the general path, then the plan
+                got = numba_rope.rotary_embedding(x, cos, sin, ids, **options)
+                assert_bitwise_equal(got, want)
+            bshd = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+            got = numba_rope.rotary_embedding(bshd, cos, sin, ids, layout="bshd", **options)
+            assert_bitwise_equal(got, want.transpose(0, 2, 1, 3))
+            work = x.copy()
+            numba_rope.rotary_embedding(work, cos, sin, ids, out=work, inverse=True, **options)
+            assert_bitwise_equal(work, float32_contract(x, cos, -sin, ids, interleaved, rotary_dim))
+            got_q, got_k = numba_rope.rotary_embedding_qk(x, k, cos, sin, ids, **options)
+            assert_bitwise_equal(got_q, want)
+            assert_bitwise_equal(got_k, float32_contract(k, cos, sin, ids, interleaved, rotary_dim))
+
+
 @pytest.mark.parametrize(("head_size", "rotary_dim"), [(64, 64), (130, 128), (120, 112), (90, 80)])
 def test_float16_halves_two_steps_at_a_time(rng, head_size, rotary_dim):
     # float16 rows of non-interleaved pairs go two vector steps at a time, both
@@ -685,8 +734,10 @@ def _check_vector_steps(rng, dtype, words, interleaved, streaming, duplicated):
     # The vector steps are emitted once with the row's length as a constant for each
     # of CONSTANT_HALVES and once for any length (see vector._by_half): every length,
     # those and their neighbours, rotates the same pairs (half rounded down to 8
-    # pairs, bfloat16 halves taken two per word too) with the contract's bits,
-    # and leaves the rest to the element loops untouched. float32 rows, and streaming
+    # pairs with streaming stores; with ordinary ones, after narrower steps, to 4
+    # pairs, to 2 for the bfloat16 halves taken two per word, and every pair of
+    # interleaved bfloat16 words) with the contract's bits, and leaves the rest to the
+    # element loops untouched. float32 rows, and streaming
     # float16 rows, whose output starts off a 64-byte line by 16 to 48 bytes, of a
     # line's pairs and a step's or more, are done from the first pair on a line, with
     # steps of 16 and 32 bytes over the edges (see _Stream.off_line): all but the
@@ -710,6 +761,8 @@ def _check_vector_steps(rng, dtype, words, interleaved, streaming, duplicated):
     if not streaming:
         halves |= {h for special in CONSTANT_HALVES for h in (special - 1, special + 1)}
         offsets.append(4)
+    if not streaming:  # the narrow steps after the widest (vector.*_TAIL_WIDTHS)
+        halves |= {1, 2, 3, 4, 5, 6, 7, 10, 12, 14, 20, 28}
     for half, offset, in_place in itertools.product(
         sorted(halves | {8, 24}), offsets, (False, True)
     ):
@@ -729,8 +782,11 @@ def _check_vector_steps(rng, dtype, words, interleaved, streaming, duplicated):
         lines = not words and (dtype == np.float32 or streaming)
         if lines and lead % 16 == 0 < lead and half >= max(16, 64 // pair_bytes):
             assert done == half - half % (16 // pair_bytes), (half, offset)
-        else:
+        elif streaming:
             assert done == half - half % 8, (half, offset)
+        else:  # ordinary stores: narrower steps after (vector.*_TAIL_WIDTHS)
+            step = (1 if interleaved else 2) if words else 4
+            assert done == half - half % step, (half, offset)
         rotated = np.zeros(2 * half, bool)
         if interleaved:
             rotated[: 2 * done] = True

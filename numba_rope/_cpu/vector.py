@@ -113,6 +113,23 @@ VECTOR_WIDTHS = (16, 8)
 #: rounding is scalar: such rows took 2-4x the time of rows of 16 pairs more
 #: (docs/performance.md, "Thirty-third session").
 WORD_WIDTHS = (*VECTOR_WIDTHS, VECTOR_WIDTHS[-1] // 2)
+#: Narrower steps after the word steps where the stores are ordinary ones (and in
+#: :func:`widen_word_halves`, which lays the cache rows out by the same steps): 2 words
+#: (4 pairs) and 1 (2 pairs), so that a row of an even number of pairs leaves none to
+#: the element loop, whose bfloat16 rounding is scalar. Rows of 4 pairs more than a
+#: multiple of 8 (``rotary_dim`` 24, 40, 56: GPT-NeoX-20B rotates 24 of 96 channels)
+#: took 1.6-2x the time of rows of 16 or 32 pairs; with these steps a decode step of
+#: (64, 64, 1, 96) rotating 24 took 0.61-0.66x its time, a (1, 32, 2048, 96) prefill
+#: rotating 40 0.48-0.72x (one-process A/B, docs/performance.md, "Fortieth session").
+#: Streaming rows need none: only rows of a multiple of :data:`STREAM_PAIRS` stream.
+WORD_TAIL_WIDTHS = (2, 1)
+#: The same for the interleaved bfloat16 words (a pair a word) after
+#: :data:`VECTOR_WIDTHS`: a row leaves no pair to the element loop.
+PAIR_TAIL_WIDTHS = (4, 2, 1)
+#: The same for the element steps of float32 and float16 rows: a step of 4 pairs (a
+#: decode step of (64, 64, 1, 96) rotating 24: 0.69-0.78x the time). Narrower ones
+#: would save little over the element loop, whose conversions are not scalar code.
+ELEMENT_TAIL_WIDTHS = (4,)
 #: :data:`WORD_WIDTHS` for targets without AVX-512 (16 vector registers): a 16-word step
 #: holds 16 ymm registers of inputs alone (the words' low and high elements of both
 #: halves, their cos and sin), and LLVM spilled a third of them to the stack in every
@@ -196,7 +213,8 @@ class _Stream:
 
         float16 for an ordinary store on targets with F16C but not AVX512-FP16 passes
         through an empty inline assembly statement, which keeps the converted vector
-        in a register: LLVM otherwise folds the store into the conversion
+        in a register (a vector of fewer than 8 lanes, too narrow for the statement, is
+        converted as 8, its last lane repeated, and the lanes kept after it): LLVM otherwise folds the store into the conversion
         (``vcvtps2ph`` to memory), also where :meth:`store_joined` joined two of them,
         and on Zen 3 that form took 2.0 cycles per 8 lanes against 1.0 into a
         register and a store of its own (``/tmp/s23/cvt.c``, not kept). A float16
@@ -211,6 +229,14 @@ class _Stream:
         time, "Thirty-third session")."""
         if nontemporal and numba_type == types.uint16 and self.float16_arithmetic:
             return float16_integer_code(self.builder, value)
+        lanes = value.type.count
+        if numba_type == types.uint16 and not nontemporal and self.float16_in_register:
+            if lanes < 8:  # (narrowed, a vector too narrow for the statement) as 8 lanes
+                wide = self.shuffle(value, value, [min(lane, lanes - 1) for lane in range(8)])
+                narrowed = self.in_registers(
+                    narrow_code(self.context, self.builder, numba_type, wide)
+                )
+                return self.shuffle(narrowed, narrowed, list(range(lanes)))
         if numba_type == types.int16:  # bfloat16 elements
             narrowed = bfloat16_vector_code(self.builder, value, self.bfloat16_instructions)
         else:
@@ -298,8 +324,9 @@ class _Stream:
         target rounds and merges best with (:func:`pair_constants`), made once per
         width and function."""
         lanes = low.type.count
-        if lanes not in self.pair_constants:
-            self.pair_constants[lanes] = pair_constants(self.builder, lanes, self.avx512)
+        if lanes not in self.pair_constants:  # (an xmm register at least: see in_registers)
+            opaque = self.avx512 and lanes >= 4
+            self.pair_constants[lanes] = pair_constants(self.builder, lanes, opaque)
         return bfloat16_pair_vector_code(
             self.builder, low, high, instructions, self.pair_constants[lanes]
         )
@@ -465,9 +492,10 @@ def _stream_arguments(context, builder, signature, args):
 def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     """Typing of a :func:`vector_pairs` step: rotate the first ``n`` pairs of a row of
     ``half`` non-interleaved pairs, ``n`` = ``half`` rounded down to a multiple of
-    8 (to 16 bytes of output for float32 rows, and streaming ones, whose output
-    starts off a 64-byte line: :meth:`_Stream.off_line`), and return ``n``; steps of
-    :data:`VECTOR_WIDTHS` pairs. float16 rows go two
+    8 with non-temporal stores, of 4 with ordinary ones (to 16 bytes of output for
+    float32 rows, and streaming ones, whose output starts off a 64-byte line:
+    :meth:`_Stream.off_line`), and return ``n``; steps of :data:`VECTOR_WIDTHS` pairs,
+    then :data:`ELEMENT_TAIL_WIDTHS` with ordinary stores. float16 rows go two
     of the widest steps at a time first, each half of the row narrowed for both steps
     and stored as one vector (:meth:`_Stream.store_joined`): F16C's conversion bounds
     these loops, and into a register it is cheaper than into memory (with the vector
@@ -499,6 +527,7 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
             context, builder, signature, args
         )
         stream = _Stream(context, builder)
+        widths = VECTOR_WIDTHS if nontemporal else VECTOR_WIDTHS + ELEMENT_TAIL_WIDTHS
 
         def rotated(first, lanes):
             second = builder.add(first, half)
@@ -531,7 +560,7 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
             if x_type == types.uint16:
                 start = stream.double_steps(start, length, two_steps)
                 length = builder.sub(half, start)
-            return stream.steps(start, length, step)
+            return stream.steps(start, length, step, widths=widths)
 
         if off_line:
             return stream.off_line(out, half, x_type.bitwidth // 8, steps, step)
@@ -579,6 +608,7 @@ def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, hal
             context, builder, signature, args
         )
         stream = _Stream(context, builder)
+        widths = VECTOR_WIDTHS if nontemporal else VECTOR_WIDTHS + ELEMENT_TAIL_WIDTHS
 
         def load(pair, lanes):
             element = builder.add(pair, pair)
@@ -621,7 +651,7 @@ def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, hal
 
         def steps(start, length):
             start = stream.double_steps(start, length, two_steps)
-            return stream.steps(start, builder.sub(half, start), step)
+            return stream.steps(start, builder.sub(half, start), step, widths=widths)
 
         if off_line:
             return stream.off_line(out, half, x_type.bitwidth // 4, steps, step)
@@ -634,8 +664,8 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
     """Rotate the first ``n`` pairs of a row of bfloat16 (caches included), ``half``
     non-interleaved pairs, two elements per 32-bit word (see
     :mod:`numba_rope._conversions`), and return ``n``, ``half`` rounded down to a
-    multiple of 8: twice :data:`WORD_WIDTHS` pairs a step, ordinary or non-temporal
-    stores. The same arithmetic per element as the element loop, a quarter fewer
+    multiple of 8 with non-temporal stores (twice :data:`WORD_WIDTHS` pairs a step),
+    of 2 with ordinary ones (then :data:`WORD_TAIL_WIDTHS`). The same arithmetic per element as the element loop, a quarter fewer
     instructions. Written in LLVM vectors rather than as a numba loop:
     numba inlines every branch of :func:`numba_rope._cpu.kernels.rotate_row` before dropping the dead ones,
     and this code would cost every kernel's compilation, bfloat16 or not."""
@@ -678,16 +708,16 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
             y2 = stream.pair_words(y2_low, y2_high, instructions)
             stream.store_words(y2, out, second, lanes, nontemporal)
 
-        return stream.steps(
-            ir.Constant(stream.intp, 0), half, step, scale=2, widths=stream.word_widths
-        )
+        widths = stream.word_widths if nontemporal else stream.word_widths + WORD_TAIL_WIDTHS
+        return stream.steps(ir.Constant(stream.intp, 0), half, step, scale=2, widths=widths)
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
 
 
 def _word_interleaved_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     """:func:`_word_pairs_typing` for interleaved pairs: word ``i`` of a row holds pair ``i``
-    (``x1`` low, ``x2`` high), in and out; :data:`VECTOR_WIDTHS` pairs a step."""
+    (``x1`` low, ``x2`` high), in and out; :data:`VECTOR_WIDTHS` pairs a step, then with
+    ordinary stores :data:`PAIR_TAIL_WIDTHS` (every pair of the row)."""
     if not _word_typing(x_row, cos_row, sin_row, out_row):
         return None
 
@@ -711,7 +741,8 @@ def _word_interleaved_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row
             merged = stream.pair_words(y1, y2, instructions)
             stream.store_words(merged, out, element, lanes, nontemporal)
 
-        return stream.steps(ir.Constant(stream.intp, 0), half, step)
+        widths = VECTOR_WIDTHS if nontemporal else VECTOR_WIDTHS + PAIR_TAIL_WIDTHS
+        return stream.steps(ir.Constant(stream.intp, 0), half, step, widths=widths)
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
 
@@ -876,9 +907,8 @@ def _widening(source, wide, length, sources, halves, doubled=False):
             store(doubled, builder.add(index, index), 2 * lanes)
 
         if halves:
-            return stream.steps(
-                ir.Constant(stream.intp, 0), length, halves_step, scale=2, widths=stream.word_widths
-            )
+            widths = stream.word_widths + WORD_TAIL_WIDTHS
+            return stream.steps(ir.Constant(stream.intp, 0), length, halves_step, 2, widths)
         return stream.steps(ir.Constant(stream.intp, 0), length, doubled_step if doubled else step)
 
     return types.intp(source, wide, length), codegen
@@ -900,7 +930,7 @@ def widen_span(typingctx, source, wide, length):
 @intrinsic
 def widen_word_halves(typingctx, source, wide, length):
     """Widen the first ``n`` elements of a contiguous bfloat16 cache row (``n`` =
-    ``length`` rounded down to a multiple of 16) into the float32 row ``wide`` in the
+    ``length`` rounded down to a multiple of 2) into the float32 row ``wide`` in the
     order in which :func:`_word_pairs_typing` uses them, and return ``n``: for each of
     its steps (``lanes`` words from element ``first``), the low elements of the words
     at ``wide[first:first + lanes]``, the high ones after them. The word loop then
