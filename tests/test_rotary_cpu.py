@@ -643,8 +643,9 @@ def test_bfloat16_two_per_word_at_any_alignment(rng, head_size, rotary_dim, star
 )
 def test_rows_of_pairs_past_the_widest_steps(rng, dtype, cache_dtype, interleaved):
     # With ordinary stores, rows whose rotated pairs are not a multiple of 8 go on with
-    # narrower steps (vector.*_TAIL_WIDTHS: 4 pairs; bfloat16 words 2 words and 1,
-    # interleaved ones 4, 2 and 1 pairs) before the element loop: GPT-NeoX-20B's 24
+    # narrower steps (vector.*_TAIL_WIDTHS: float16 elements and interleaved bfloat16
+    # words 4, 2 and 1 pairs, the bfloat16 halves 2 words and 1; float32 rows none)
+    # before the element loop: GPT-NeoX-20B's 24
     # channels of 96 (12 pairs = 8 + 4), StableLM's 20 of 80 (8 + 2), 28 (8 + 4 + 2),
     # 40, odd pair counts (13, 7: one pair left for the element loop) and rows shorter
     # than a step (3 pairs). Decode rows (one token: cache rows widened once per
@@ -734,10 +735,10 @@ def _check_vector_steps(rng, dtype, words, interleaved, streaming, duplicated):
     # The vector steps are emitted once with the row's length as a constant for each
     # of CONSTANT_HALVES and once for any length (see vector._by_half): every length,
     # those and their neighbours, rotates the same pairs (half rounded down to 8
-    # pairs with streaming stores; with ordinary ones, after narrower steps, to 4
-    # pairs, to 2 for the bfloat16 halves taken two per word, and every pair of
-    # interleaved bfloat16 words) with the contract's bits, and leaves the rest to the
-    # element loops untouched. float32 rows, and streaming
+    # pairs with streaming stores and for float32 rows; with ordinary ones, after
+    # narrower steps, every pair of float16 rows and of interleaved bfloat16 words, and
+    # to 2 pairs for the bfloat16 halves taken two per word) with the contract's bits,
+    # and leaves the rest to the element loops untouched. float32 rows, and streaming
     # float16 rows, whose output starts off a 64-byte line by 16 to 48 bytes, of a
     # line's pairs and a step's or more, are done from the first pair on a line, with
     # steps of 16 and 32 bytes over the edges (see _Stream.off_line): all but the
@@ -784,9 +785,10 @@ def _check_vector_steps(rng, dtype, words, interleaved, streaming, duplicated):
             assert done == half - half % (16 // pair_bytes), (half, offset)
         elif streaming:
             assert done == half - half % 8, (half, offset)
+        elif dtype == np.float32:
+            assert done == half - half % 8, (half, offset)
         else:  # ordinary stores: narrower steps after (vector.*_TAIL_WIDTHS)
-            step = (1 if interleaved else 2) if words else 4
-            assert done == half - half % step, (half, offset)
+            assert done == half - half % (1 if interleaved or not words else 2), (half, offset)
         rotated = np.zeros(2 * half, bool)
         if interleaved:
             rotated[: 2 * done] = True

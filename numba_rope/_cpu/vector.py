@@ -119,17 +119,22 @@ WORD_WIDTHS = (*VECTOR_WIDTHS, VECTOR_WIDTHS[-1] // 2)
 #: the element loop, whose bfloat16 rounding is scalar. Rows of 4 pairs more than a
 #: multiple of 8 (``rotary_dim`` 24, 40, 56: GPT-NeoX-20B rotates 24 of 96 channels)
 #: took 1.6-2x the time of rows of 16 or 32 pairs; with these steps a decode step of
-#: (64, 64, 1, 96) rotating 24 took 0.61-0.66x its time, a (1, 32, 2048, 96) prefill
-#: rotating 40 0.48-0.72x (one-process A/B, docs/performance.md, "Fortieth session").
+#: (64, 64, 1, 96) rotating 24 took 0.66-0.67x its time (interleaved 0.58), a (1, 32,
+#: 2048, 96) prefill rotating 40 0.73x (one-process A/B, docs/performance.md,
+#: "Fortieth session").
 #: Streaming rows need none: only rows of a multiple of :data:`STREAM_PAIRS` stream.
 WORD_TAIL_WIDTHS = (2, 1)
 #: The same for the interleaved bfloat16 words (a pair a word) after
 #: :data:`VECTOR_WIDTHS`: a row leaves no pair to the element loop.
 PAIR_TAIL_WIDTHS = (4, 2, 1)
-#: The same for the element steps of float32 and float16 rows: a step of 4 pairs (a
-#: decode step of (64, 64, 1, 96) rotating 24: 0.69-0.78x the time). Narrower ones
-#: would save little over the element loop, whose conversions are not scalar code.
-ELEMENT_TAIL_WIDTHS = (4,)
+#: The same for the element steps of float16 rows, whose element loop converts one
+#: element at a time: a decode step of (64, 32, 1, 80) rotating 24, one thread,
+#: 0.74-0.81x the time, rotating 20 (8 pairs and 2) 0.87-1.02x. Not float32's: with a
+#: step of 4 pairs after its steps a decode step rotating 24 took 0.78-0.88x the time
+#: on one thread, but one rotating 20 (the step not taken) 1.06-1.11x, and with steps
+#: of 2 and 1 too 1.11-1.16x (one-process A/B, docs/performance.md, "Fortieth
+#: session").
+ELEMENT_TAIL_WIDTHS = (4, 2, 1)
 #: :data:`WORD_WIDTHS` for targets without AVX-512 (16 vector registers): a 16-word step
 #: holds 16 ymm registers of inputs alone (the words' low and high elements of both
 #: halves, their cos and sin), and LLVM spilled a third of them to the stack in every
@@ -322,9 +327,10 @@ class _Stream:
     def pair_words(self, low, high, instructions):
         """:func:`bfloat16_pair_vector_code` of two vectors, with the constants this
         target rounds and merges best with (:func:`pair_constants`), made once per
-        width and function."""
+        width and function; LLVM's for vectors narrower than an xmm register (the
+        steps of 2 and 1 words: see :meth:`in_registers`)."""
         lanes = low.type.count
-        if lanes not in self.pair_constants:  # (an xmm register at least: see in_registers)
+        if lanes not in self.pair_constants:
             opaque = self.avx512 and lanes >= 4
             self.pair_constants[lanes] = pair_constants(self.builder, lanes, opaque)
         return bfloat16_pair_vector_code(
@@ -345,7 +351,13 @@ class _Stream:
         """Loops over ``[start, start + n)``, ``n`` = ``length`` rounded down to a
         multiple of ``scale * widths[-1]``: ``body(index, lanes)`` for each step of
         ``scale * lanes`` units, ``lanes`` from ``widths`` widest first (the narrower
-        loops run at most once). Returns ``start + n``."""
+        loops run at most once). Returns ``start + n``.
+
+        Loops, not tests, for the narrower steps: with each narrower step behind a test
+        of the units left, float32 rows of 10 and 12 pairs (8 and the element loop) took
+        1.10-1.13x the time on one thread, and LLVM vectorized the element loop after
+        the steps, no longer knowing how few pairs it has (one-process A/B,
+        docs/performance.md, "Fortieth session")."""
         builder = self.builder
         done = start
         for lanes in widths:
@@ -492,10 +504,10 @@ def _stream_arguments(context, builder, signature, args):
 def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     """Typing of a :func:`vector_pairs` step: rotate the first ``n`` pairs of a row of
     ``half`` non-interleaved pairs, ``n`` = ``half`` rounded down to a multiple of
-    8 with non-temporal stores, of 4 with ordinary ones (to 16 bytes of output for
-    float32 rows, and streaming ones, whose output starts off a 64-byte line:
-    :meth:`_Stream.off_line`), and return ``n``; steps of :data:`VECTOR_WIDTHS` pairs,
-    then :data:`ELEMENT_TAIL_WIDTHS` with ordinary stores. float16 rows go two
+    8 (to 16 bytes of output for float32 rows, and streaming ones, whose output starts
+    off a 64-byte line: :meth:`_Stream.off_line`; ``half`` itself for float16 rows with
+    ordinary stores), and return ``n``; steps of :data:`VECTOR_WIDTHS` pairs, then
+    for float16 rows with ordinary stores :data:`ELEMENT_TAIL_WIDTHS`. float16 rows go two
     of the widest steps at a time first, each half of the row narrowed for both steps
     and stored as one vector (:meth:`_Stream.store_joined`): F16C's conversion bounds
     these loops, and into a register it is cheaper than into memory (with the vector
@@ -527,7 +539,8 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
             context, builder, signature, args
         )
         stream = _Stream(context, builder)
-        widths = VECTOR_WIDTHS if nontemporal else VECTOR_WIDTHS + ELEMENT_TAIL_WIDTHS
+        tails = not nontemporal and x_type == types.uint16  # float16 (see its widths)
+        widths = VECTOR_WIDTHS + ELEMENT_TAIL_WIDTHS if tails else VECTOR_WIDTHS
 
         def rotated(first, lanes):
             second = builder.add(first, half)
@@ -608,7 +621,8 @@ def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, hal
             context, builder, signature, args
         )
         stream = _Stream(context, builder)
-        widths = VECTOR_WIDTHS if nontemporal else VECTOR_WIDTHS + ELEMENT_TAIL_WIDTHS
+        tails = not nontemporal and x_type == types.uint16  # float16 (see its widths)
+        widths = VECTOR_WIDTHS + ELEMENT_TAIL_WIDTHS if tails else VECTOR_WIDTHS
 
         def load(pair, lanes):
             element = builder.add(pair, pair)
