@@ -444,19 +444,27 @@ def test_interleaved_pairs_as_they_lie_give_the_contract_bits(rng, dtype, cache_
         cos[ids[1, 0], :2] = specials[:2].astype(cache_dtype)
         sin[ids[2, 0], 1:3] = specials[1:3].astype(cache_dtype)
         k = rng.standard_normal((3, 2, 1, head_size)).astype(dtype)
-        options = dict(interleaved=True, rotary_embedding_dim=rotary_dim)
-        want = float32_contract(x, cos, sin, ids, True, rotary_dim)
-        for _ in range(2):  # the general path, then the plan
-            assert_bitwise_equal(numba_rope.rotary_embedding(x, cos, sin, ids, **options), want)
-        bshd = np.ascontiguousarray(x.transpose(2, 0, 1, 3))  # 3 tokens of one sequence
-        got = numba_rope.rotary_embedding(bshd, cos, sin, ids.T, layout="bshd", **options)
-        assert_bitwise_equal(got, want.transpose(2, 0, 1, 3))
-        work = x.copy()
-        numba_rope.rotary_embedding(work, cos, sin, ids, out=work, inverse=True, **options)
-        assert_bitwise_equal(work, float32_contract(x, cos, -sin, ids, True, rotary_dim))
-        got_q, got_k = numba_rope.rotary_embedding_qk(x, k, cos, sin, ids, **options)
-        assert_bitwise_equal(got_q, want)
-        assert_bitwise_equal(got_k, float32_contract(k, cos, sin, ids, True, rotary_dim))
+        # bshd: the 3 sequences' tokens as 3 tokens of one sequence
+        _assert_contract_in_every_form(x, k, cos, sin, ids, True, rotary_dim, (2, 0, 1, 3), ids.T)
+
+
+def _assert_contract_in_every_form(x, k, cos, sin, ids, interleaved, rotary_dim, axes, bshd_ids):
+    """The float32 contract's bits from a call, twice (the general path, then the plan),
+    from the input laid out as bshd (``x.transpose(axes)``, ids ``bshd_ids``), in place
+    with the inverse, and from q with k."""
+    options = dict(interleaved=interleaved, rotary_embedding_dim=rotary_dim)
+    want = float32_contract(x, cos, sin, ids, interleaved, rotary_dim)
+    for _ in range(2):  # the general path, then the plan
+        assert_bitwise_equal(numba_rope.rotary_embedding(x, cos, sin, ids, **options), want)
+    bshd = np.ascontiguousarray(x.transpose(axes))
+    got = numba_rope.rotary_embedding(bshd, cos, sin, bshd_ids, layout="bshd", **options)
+    assert_bitwise_equal(got, want.transpose(axes))
+    work = x.copy()
+    numba_rope.rotary_embedding(work, cos, sin, ids, out=work, inverse=True, **options)
+    assert_bitwise_equal(work, float32_contract(x, cos, -sin, ids, interleaved, rotary_dim))
+    got_q, got_k = numba_rope.rotary_embedding_qk(x, k, cos, sin, ids, **options)
+    assert_bitwise_equal(got_q, want)
+    assert_bitwise_equal(got_k, float32_contract(k, cos, sin, ids, interleaved, rotary_dim))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
@@ -663,20 +671,9 @@ def test_rows_of_pairs_past_the_widest_steps(rng, dtype, cache_dtype, interleave
             cos[ids[1, 0], :2] = specials[:2].astype(cache_dtype)
             sin[ids[-1, -1], 1:3] = specials[1:3].astype(cache_dtype)
             k = rng.standard_normal((shape[0], 2, *shape[2:])).astype(dtype)
-            options = dict(interleaved=interleaved, rotary_embedding_dim=rotary_dim)
-            want = float32_contract(x, cos, sin, ids, interleaved, rotary_dim)
-            for _ in range(2):  # the general path, then the plan
-                got = numba_rope.rotary_embedding(x, cos, sin, ids, **options)
-                assert_bitwise_equal(got, want)
-            bshd = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
-            got = numba_rope.rotary_embedding(bshd, cos, sin, ids, layout="bshd", **options)
-            assert_bitwise_equal(got, want.transpose(0, 2, 1, 3))
-            work = x.copy()
-            numba_rope.rotary_embedding(work, cos, sin, ids, out=work, inverse=True, **options)
-            assert_bitwise_equal(work, float32_contract(x, cos, -sin, ids, interleaved, rotary_dim))
-            got_q, got_k = numba_rope.rotary_embedding_qk(x, k, cos, sin, ids, **options)
-            assert_bitwise_equal(got_q, want)
-            assert_bitwise_equal(got_k, float32_contract(k, cos, sin, ids, interleaved, rotary_dim))
+            _assert_contract_in_every_form(
+                x, k, cos, sin, ids, interleaved, rotary_dim, (0, 2, 1, 3), ids
+            )
 
 
 @pytest.mark.parametrize(("head_size", "rotary_dim"), [(64, 64), (130, 128), (120, 112), (90, 80)])
