@@ -651,12 +651,12 @@ def test_bfloat16_two_per_word_at_any_alignment(rng, head_size, rotary_dim, star
 )
 def test_rows_of_pairs_past_the_widest_steps(rng, dtype, cache_dtype, interleaved):
     # With ordinary stores, rows whose rotated pairs are not a multiple of 8 go on with
-    # narrower steps (vector.*_TAIL_WIDTHS: float16 elements and interleaved bfloat16
-    # words 4, 2 and 1 pairs, the bfloat16 halves 2 words and 1; float32 rows none)
-    # before the element loop: GPT-NeoX-20B's 24
-    # channels of 96 (12 pairs = 8 + 4), StableLM's 20 of 80 (8 + 2), 28 (8 + 4 + 2),
-    # 40, odd pair counts (13, 7: one pair left for the element loop) and rows shorter
-    # than a step (3 pairs). Decode rows (one token: cache rows widened once per
+    # narrower steps (vector.*_TAIL_WIDTHS: float16 rows and interleaved rows 4, 2 and 1
+    # pairs, the bfloat16 halves 2 words and 1; float32 halves none)
+    # before the element loop: GPT-NeoX-20B's 24 channels of 96 (12 pairs = 8 + 4),
+    # StableLM's 20 of 80 (8 + 2), 28 (8 + 4 + 2), 40, odd pair counts (13, 7: the
+    # bfloat16 halves leave one pair to the element loop) and rows shorter than a
+    # step (3 pairs). Decode rows (one token: cache rows widened once per
     # token, bfloat16's in the order of the word steps), head-major rows, bshd rows, in
     # place, the inverse, q with k, and NaN and infinities in the input and the caches:
     # the contract's bits.
@@ -732,9 +732,9 @@ def _check_vector_steps(rng, dtype, words, interleaved, streaming, duplicated):
     # The vector steps are emitted once with the row's length as a constant for each
     # of CONSTANT_HALVES and once for any length (see vector._by_half): every length,
     # those and their neighbours, rotates the same pairs (half rounded down to 8
-    # pairs with streaming stores and for float32 rows; with ordinary ones, after
-    # narrower steps, every pair of float16 rows and of interleaved bfloat16 words, and
-    # to 2 pairs for the bfloat16 halves taken two per word) with the contract's bits,
+    # pairs with streaming stores and for float32 halves; with ordinary ones, after
+    # narrower steps, every pair of float16 rows and of interleaved rows, and to 2
+    # pairs for the bfloat16 halves taken two per word) with the contract's bits,
     # and leaves the rest to the element loops untouched. float32 rows, and streaming
     # float16 rows, whose output starts off a 64-byte line by 16 to 48 bytes, of a
     # line's pairs and a step's or more, are done from the first pair on a line, with
@@ -756,11 +756,10 @@ def _check_vector_steps(rng, dtype, words, interleaved, streaming, duplicated):
     pair_bytes = itemsize * (2 if interleaved else 1)
     halves = {h for special in CONSTANT_HALVES for h in (special - 8, special, special + 8)}
     offsets = [0, 16, 32, 48]
-    if not streaming:
+    if not streaming:  # and the narrower steps after the widest (vector.*_TAIL_WIDTHS)
         halves |= {h for special in CONSTANT_HALVES for h in (special - 1, special + 1)}
-        offsets.append(4)
-    if not streaming:  # the narrow steps after the widest (vector.*_TAIL_WIDTHS)
         halves |= {1, 2, 3, 4, 5, 6, 7, 10, 12, 14, 20, 28}
+        offsets.append(4)
     for half, offset, in_place in itertools.product(
         sorted(halves | {8, 24}), offsets, (False, True)
     ):
@@ -778,14 +777,14 @@ def _check_vector_steps(rng, dtype, words, interleaved, streaming, duplicated):
         done = steps(view(source), cos_row, sin_row, view(out), half)
         lead = -offset % 64
         lines = not words and (dtype == np.float32 or streaming)
-        if lines and lead % 16 == 0 < lead and half >= max(16, 64 // pair_bytes):
+        if not streaming and (interleaved or dtype == np.float16):  # vector.*_TAIL_WIDTHS
+            assert done == half, (half, offset)
+        elif not streaming and words:
+            assert done == half - half % 2, (half, offset)
+        elif lines and lead % 16 == 0 < lead and half >= max(16, 64 // pair_bytes):
             assert done == half - half % (16 // pair_bytes), (half, offset)
-        elif streaming:
+        else:
             assert done == half - half % 8, (half, offset)
-        elif dtype == np.float32:
-            assert done == half - half % 8, (half, offset)
-        else:  # ordinary stores: narrower steps after (vector.*_TAIL_WIDTHS)
-            assert done == half - half % (1 if interleaved or not words else 2), (half, offset)
         rotated = np.zeros(2 * half, bool)
         if interleaved:
             rotated[: 2 * done] = True

@@ -128,12 +128,12 @@ WORD_TAIL_WIDTHS = (2, 1)
 #: :data:`VECTOR_WIDTHS`: a row leaves no pair to the element loop.
 PAIR_TAIL_WIDTHS = (4, 2, 1)
 #: The same for the element steps of float16 rows, whose element loop converts one
-#: element at a time: a decode step of (64, 32, 1, 80) rotating 24, one thread,
-#: 0.74-0.81x the time, rotating 20 (8 pairs and 2) 0.87-1.02x. Not float32's: with a
-#: step of 4 pairs after its steps a decode step rotating 24 took 0.78-0.88x the time
-#: on one thread, but one rotating 20 (the step not taken) 1.06-1.11x, and with steps
-#: of 2 and 1 too 1.11-1.16x (one-process A/B, docs/performance.md, "Fortieth
-#: session").
+#: element at a time (a decode step of (64, 32, 1, 80) rotating 24, one thread,
+#: 0.74-0.81x the time, rotating 20, 8 pairs and 2, 0.87-1.02x), and of interleaved
+#: float32 rows (0.73-0.78x and 0.82-0.84x). Not float32 halves: with a step of 4 pairs
+#: after their steps a decode step rotating 24 took 0.78-0.88x the time on one thread,
+#: but one rotating 20 (the step not taken) 1.06-1.11x, and with steps of 2 and 1 too
+#: 1.11-1.16x (one-process A/B, docs/performance.md, "Fortieth session").
 ELEMENT_TAIL_WIDTHS = (4, 2, 1)
 #: :data:`WORD_WIDTHS` for targets without AVX-512 (16 vector registers): a 16-word step
 #: holds 16 ymm registers of inputs alone (the words' low and high elements of both
@@ -218,13 +218,14 @@ class _Stream:
 
         float16 for an ordinary store on targets with F16C but not AVX512-FP16 passes
         through an empty inline assembly statement, which keeps the converted vector
-        in a register (a vector of fewer than 8 lanes, too narrow for the statement, is
-        converted as 8, its last lane repeated, and the lanes kept after it): LLVM otherwise folds the store into the conversion
-        (``vcvtps2ph`` to memory), also where :meth:`store_joined` joined two of them,
-        and on Zen 3 that form took 2.0 cycles per 8 lanes against 1.0 into a
-        register and a store of its own (``/tmp/s23/cvt.c``, not kept). A float16
-        decode step 0.80-0.83x the time on one thread, 0.82-0.85x on two (one-process
-        A/B, docs/performance.md, "Twenty-third session"). On Intel's cores, by the
+        in a register (a vector of fewer than 8 lanes, too narrow for the statement,
+        is converted as 8, its last lane repeated, and its lanes taken after it): LLVM
+        otherwise folds the store into the conversion (``vcvtps2ph`` to memory), also
+        where :meth:`store_joined` joined two of them, and on Zen 3 that form took 2.0
+        cycles per 8 lanes against 1.0 into a register and a store of its own
+        (``/tmp/s23/cvt.c``, not kept). A float16 decode step 0.80-0.83x the time on
+        one thread, 0.82-0.85x on two (one-process A/B, docs/performance.md,
+        "Twenty-third session"). On Intel's cores, by the
         published instruction tables, the memory form is the register form and a
         store (not measured). The same bits.
 
@@ -234,14 +235,13 @@ class _Stream:
         time, "Thirty-third session")."""
         if nontemporal and numba_type == types.uint16 and self.float16_arithmetic:
             return float16_integer_code(self.builder, value)
-        lanes = value.type.count
         if numba_type == types.uint16 and not nontemporal and self.float16_in_register:
-            if lanes < 8:  # (narrowed, a vector too narrow for the statement) as 8 lanes
-                wide = self.shuffle(value, value, [min(lane, lanes - 1) for lane in range(8)])
-                narrowed = self.in_registers(
-                    narrow_code(self.context, self.builder, numba_type, wide)
-                )
-                return self.shuffle(narrowed, narrowed, list(range(lanes)))
+            lanes = value.type.count
+            if lanes >= 8:
+                return self.in_registers(narrow_code(self.context, self.builder, numba_type, value))
+            wide = self.shuffle(value, value, [min(lane, lanes - 1) for lane in range(8)])
+            narrowed = self.in_registers(narrow_code(self.context, self.builder, numba_type, wide))
+            return self.shuffle(narrowed, narrowed, list(range(lanes)))
         if numba_type == types.int16:  # bfloat16 elements
             narrowed = bfloat16_vector_code(self.builder, value, self.bfloat16_instructions)
         else:
@@ -255,8 +255,6 @@ class _Stream:
             # output 16 bytes past a line, 83 ms against 5 on a line, one thread
             # (docs/performance.md, "Thirty-third session"). Kept in registers, the
             # same bits.
-            return self.in_registers(narrowed)
-        if numba_type == types.uint16 and not nontemporal and self.float16_in_register:
             return self.in_registers(narrowed)
         return narrowed
 
@@ -600,9 +598,10 @@ def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, hal
     """:func:`_stream_pairs` for interleaved pairs (with non-temporal stores the output
     row must start on :data:`STREAM_ALIGNMENT` bytes; ordinary stores take any element
     offset; float32 and streaming rows off a 64-byte line as in
-    :meth:`_Stream.off_line`): the pairs
-    of a step are loaded as one vector, split into firsts and seconds, and merged back
-    after the rotation.
+    :meth:`_Stream.off_line`): the pairs of a step are loaded as one vector, split into
+    firsts and seconds, and merged back after the rotation. With ordinary stores, of
+    float32 as of float16, :data:`ELEMENT_TAIL_WIDTHS` after the widest steps: every
+    pair of the row.
 
     Steps of the widest width go two at a time, both loaded before either is stored.
     One step after another (load a vector of pairs, store it, load the next), a row
@@ -621,7 +620,7 @@ def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, hal
             context, builder, signature, args
         )
         stream = _Stream(context, builder)
-        tails = not nontemporal and x_type == types.uint16  # float16 (see its widths)
+        tails = not nontemporal  # float16 and float32 (see ELEMENT_TAIL_WIDTHS)
         widths = VECTOR_WIDTHS + ELEMENT_TAIL_WIDTHS if tails else VECTOR_WIDTHS
 
         def load(pair, lanes):
@@ -679,10 +678,11 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
     non-interleaved pairs, two elements per 32-bit word (see
     :mod:`numba_rope._conversions`), and return ``n``, ``half`` rounded down to a
     multiple of 8 with non-temporal stores (twice :data:`WORD_WIDTHS` pairs a step),
-    of 2 with ordinary ones (then :data:`WORD_TAIL_WIDTHS`). The same arithmetic per element as the element loop, a quarter fewer
-    instructions. Written in LLVM vectors rather than as a numba loop:
-    numba inlines every branch of :func:`numba_rope._cpu.kernels.rotate_row` before dropping the dead ones,
-    and this code would cost every kernel's compilation, bfloat16 or not."""
+    of 2 with ordinary ones (then :data:`WORD_TAIL_WIDTHS`). The same arithmetic per
+    element as the element loop, a quarter fewer instructions. Written in LLVM
+    vectors rather than as a numba loop: numba inlines every branch of
+    :func:`numba_rope._cpu.kernels.rotate_row` before dropping the dead ones, and this
+    code would cost every kernel's compilation, bfloat16 or not."""
     if not _word_typing(x_row, cos_row, sin_row, out_row):
         return None
 
@@ -921,6 +921,8 @@ def _widening(source, wide, length, sources, halves, doubled=False):
             store(doubled, builder.add(index, index), 2 * lanes)
 
         if halves:
+            # The tail steps too, for rows streamed or not: a streamed row has no pairs
+            # past the word steps (STREAM_PAIRS), so both lay its cache row out alike.
             widths = stream.word_widths + WORD_TAIL_WIDTHS
             return stream.steps(ir.Constant(stream.intp, 0), length, halves_step, 2, widths)
         return stream.steps(ir.Constant(stream.intp, 0), length, doubled_step if doubled else step)
