@@ -136,6 +136,13 @@ def _call(rope, name: str, case, k, out, out_k) -> Callable[[], object]:
     return lambda: rope.rotary_embedding_qk(x, k, cos, sin, ids, out_q=out, out_k=out_k, **options)
 
 
+def result_bytes(result) -> bytes:
+    """The bytes of a call's result (an array, or q and k), copied: both versions
+    write into the same outputs."""
+    arrays = result if isinstance(result, tuple) else (result,)
+    return b"".join(np.ascontiguousarray(a).view(np.uint8).tobytes() for a in arrays)
+
+
 def kv_heads(case) -> np.ndarray:
     """k for the q+k call: the first quarter of the input's heads (at least one), in
     the input's form (a 3-D input's heads lie inside its last axis)."""
@@ -166,18 +173,20 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in args.dtypes.split(","):
             case = bench.make_case(workload, dtype)
             k = kv_heads(case)
-            # Outputs on 64-byte lines for both versions: with NumPy's own placement the
-            # two could start at different offsets from a line, which alone moved a
-            # float32 decode step by 1.2-1.4x.
-            outs = [
-                (empty_on_line(case.input.shape, case.input.dtype), empty_on_line(k.shape, k.dtype))
-                for _ in range(2)
-            ]
+            # One pair of outputs, on 64-byte lines, for both versions. With NumPy's own
+            # placement two outputs could start at different offsets from a line, which
+            # alone moved a float32 decode step by 1.2-1.4x; and two outputs on lines
+            # still lie at different distances from the input, which moved decode rows
+            # by up to 15% either way from one process to the next (docs/performance.md,
+            # "Fortieth session").
+            outs = (
+                empty_on_line(case.input.shape, case.input.dtype),
+                empty_on_line(k.shape, k.dtype),
+            )
             for name in ("out", "alloc", "qk"):
-                old = _call(numba_rope_old, name, case, k, *outs[0])
-                new = _call(numba_rope, name, case, k, *outs[1])
-                old(), new()
-                if not np.array_equal(outs[0][0].view(np.uint8), outs[1][0].view(np.uint8)):
+                old = _call(numba_rope_old, name, case, k, *outs)
+                new = _call(numba_rope, name, case, k, *outs)
+                if result_bytes(old()) != result_bytes(new()):
                     print(f"{workload} {dtype} {name}: the two versions differ")
                     return 1
                 prepare = (
