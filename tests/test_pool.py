@@ -41,6 +41,7 @@ def test_on_by_default_for_large_outputs_within_its_bound(rng):
         for _ in range(3):  # the general path, then the plan's: both pooled
             result = numba_rope.rotary_embedding(x, cos, sin, ids)
             assert result.base is not None and pool.held_bytes() == x.nbytes
+            assert _address(result) % 64 == 0  # on a line (see test_pooled_outputs_...)
             assert_bitwise_equal(result, expected)
             del result
         half = np.ascontiguousarray(x[:, :4])
@@ -78,6 +79,32 @@ def test_float32_outputs_of_allocating_calls_start_on_lines(rng, shape):
     three_d = x.transpose(0, 2, 1, 3).reshape(shape[0], shape[2], -1)
     for _ in range(3):
         assert _on_line(numba_rope.rotary_embedding(three_d, cos, sin, ids, num_heads=shape[1]))
+
+
+@pytest.mark.parametrize(
+    "dtype", [np.dtype(np.float32), np.dtype(np.float16), BFLOAT16], ids=lambda d: d.name
+)
+def test_pooled_outputs_start_on_lines(rng, pooled, dtype):
+    # Pooled buffers are NumPy arrays, whose large ones start 16 bytes past a 64-byte
+    # line (glibc's chunk header): the outputs made on them start on the line after,
+    # every call (the general path, the plan, the compiled plan; one tensor, q and k),
+    # whatever the heap's state, and a buffer reused gives the same address.
+    x, cos, sin, ids = make_case(rng, (2, 4, 6, 64), dtype)
+    k = np.ascontiguousarray(x[:, :1])
+    expected = float32_contract(x, cos, sin, ids)
+    addresses = set()
+    for step in range(12):
+        clutter = [np.empty(16 * (step % 4) + 8, np.uint8) for _ in range(step % 3 + 1)]
+        out = numba_rope.rotary_embedding(x, cos, sin, ids)
+        q_out, k_out = numba_rope.rotary_embedding_qk(x, k, cos, sin, ids)
+        assert _on_line(out) and _on_line(q_out) and _on_line(k_out), step
+        assert_bitwise_equal(out, expected)
+        assert_bitwise_equal(q_out, expected)
+        assert_bitwise_equal(k_out, expected[:, :1])
+        addresses.add(_address(out))
+        del out, q_out, k_out, clutter
+    assert len(addresses) == 1  # the same pooled buffer each time
+    assert pool.held_bytes() == 2 * x.nbytes + k.nbytes
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ import threading
 import numpy as np
 
 from numba_rope import config
-from numba_rope._aligned import empty_on_line
+from numba_rope._aligned import empty_on_line, placed_in
 
 #: Outputs smaller than this are left to NumPy's allocator: glibc reuses freed blocks
 #: below its mmap threshold (which rises up to 32 MiB as large blocks are freed)
@@ -63,9 +63,10 @@ _USABLE = getattr(sys, "_is_gil_enabled", lambda: True)()
 
 
 def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialized C-contiguous array of ``shape`` and ``dtype``: a pooled buffer
-    that nothing refers to any more when the pool is on and the array large enough,
-    else a new array, on a line for float32 from :data:`LINE_MIN_BYTES` up."""
+    """An uninitialized C-contiguous array of ``shape`` and ``dtype``: on a pooled
+    buffer that nothing refers to any more when the pool is on and the array large
+    enough, starting on a 64-byte line; else a new array, on a line for float32 from
+    :data:`LINE_MIN_BYTES` up."""
     limit = config.OUTPUT_POOL_BYTES
     nbytes = math.prod(shape) * dtype.itemsize
     if not limit or nbytes < MIN_BYTES or nbytes > limit or not _USABLE:
@@ -75,23 +76,37 @@ def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     with _lock:
         buffer = None
         for index in range(len(_buffers)):
-            if _buffers[index].nbytes == nbytes and _references(_buffers, index) == _FREE:
+            if _size(_buffers[index]) == nbytes and _references(_buffers, index) == _FREE:
                 buffer = _buffers.pop(index)
                 break
         if buffer is None:
-            buffer = np.empty(nbytes, np.uint8)
+            buffer = np.empty(nbytes + _LINE, np.uint8)
             _trim(limit - nbytes)
         _buffers.append(buffer)  # the most recently handed out last
-        return buffer.view(dtype).reshape(shape)
+        # On a line, with the buffer as its base (every view of it holds the buffer).
+        return placed_in(buffer, shape, dtype, _LINE)
+
+
+#: Pooled outputs start on a 64-byte line: a buffer is this much longer than they are.
+#: NumPy's large arrays start 16 bytes past one (glibc's chunk header), and there
+#: the kernels' stores span two lines: a float32 prefill_3d into such an output took
+#: 2.95 ms against 1.94 on a line, float16 prefill 1.63 against 1.10, on the Emerald
+#: Rapids VM (docs/performance.md, "Fortieth session").
+_LINE = 64
+
+
+def _size(buffer: np.ndarray) -> int:
+    """The bytes of the outputs a pooled buffer holds."""
+    return buffer.nbytes - _LINE
 
 
 def _trim(limit: int) -> None:
     """Drop pooled buffers, least recently handed out first, until those kept hold at
     most ``limit`` bytes. A buffer still in use is dropped from the pool too (its user
     keeps it; NumPy frees it after them)."""
-    held = sum(buffer.nbytes for buffer in _buffers)
+    held = sum(_size(buffer) for buffer in _buffers)
     while _buffers and held > limit:
-        held -= _buffers.pop(0).nbytes
+        held -= _size(_buffers.pop(0))
 
 
 def clear() -> None:
@@ -101,9 +116,9 @@ def clear() -> None:
 
 
 def held_bytes() -> int:
-    """Bytes of the buffers in the pool, in use or free."""
+    """Bytes of the outputs the pool's buffers hold, in use or free."""
     with _lock:
-        return sum(buffer.nbytes for buffer in _buffers)
+        return sum(_size(buffer) for buffer in _buffers)
 
 
 def _on_config_change() -> None:
