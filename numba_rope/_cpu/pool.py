@@ -44,6 +44,13 @@ MIN_BYTES = 16 << 20
 #: float32 stores spans two lines (docs/performance.md, "Fourteenth session").
 LINE_MIN_BYTES = 256 << 10
 
+#: Pooled outputs start on a 64-byte line: a buffer is this much longer than they are.
+#: NumPy's large arrays start 16 bytes past one (glibc's chunk header), and there
+#: the kernels' stores span two lines: a float32 prefill_3d into such an output took
+#: 2.95 ms against 1.94 on a line, float16 prefill 1.63 against 1.10, on the Emerald
+#: Rapids VM (docs/performance.md, "Fortieth session").
+_LINE = 64
+
 _lock = threading.Lock()
 _buffers: list[np.ndarray] = []  # uint8 owners, least recently handed out first
 
@@ -85,14 +92,6 @@ def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         _buffers.append(buffer)  # the most recently handed out last
         # On a line, with the buffer as its base (every view of it holds the buffer).
         return placed_in(buffer, shape, dtype, _LINE)
-
-
-#: Pooled outputs start on a 64-byte line: a buffer is this much longer than they are.
-#: NumPy's large arrays start 16 bytes past one (glibc's chunk header), and there
-#: the kernels' stores span two lines: a float32 prefill_3d into such an output took
-#: 2.95 ms against 1.94 on a line, float16 prefill 1.63 against 1.10, on the Emerald
-#: Rapids VM (docs/performance.md, "Fortieth session").
-_LINE = 64
 
 
 def _size(buffer: np.ndarray) -> int:

@@ -124,17 +124,15 @@ WORD_WIDTHS = (*VECTOR_WIDTHS, VECTOR_WIDTHS[-1] // 2)
 #: "Fortieth session").
 #: Streaming rows need none: only rows of a multiple of :data:`STREAM_PAIRS` stream.
 WORD_TAIL_WIDTHS = (2, 1)
-#: The same for the interleaved bfloat16 words (a pair a word) after
-#: :data:`VECTOR_WIDTHS`: a row leaves no pair to the element loop.
+#: The same, in pairs, after :data:`VECTOR_WIDTHS`: for the interleaved bfloat16 words (a
+#: pair a word), for float16 rows, whose element loop converts one element at a time (a
+#: decode step of (64, 32, 1, 80) rotating 24, one thread, 0.74-0.81x the time,
+#: rotating 20, 8 pairs and 2, 0.87-1.02x), and for interleaved float32 rows (0.73-0.78x
+#: and 0.82-0.84x): a row leaves no pair to the element loop. Not float32 halves: with a
+#: step of 4 pairs after their steps a decode step rotating 24 took 0.78-0.88x the time
+#: on one thread, but one rotating 20 (the step not taken) 1.06-1.11x, and with steps
+#: of 2 and 1 too 1.11-1.16x (one-process A/B, docs/performance.md, "Fortieth session").
 PAIR_TAIL_WIDTHS = (4, 2, 1)
-#: The same for the element steps of float16 rows, whose element loop converts one
-#: element at a time (a decode step of (64, 32, 1, 80) rotating 24, one thread,
-#: 0.74-0.81x the time, rotating 20, 8 pairs and 2, 0.87-1.02x), and of interleaved
-#: float32 rows (0.73-0.78x and 0.82-0.84x). Not float32 halves: with a step of 4 pairs
-#: after their steps a decode step rotating 24 took 0.78-0.88x the time on one thread,
-#: but one rotating 20 (the step not taken) 1.06-1.11x, and with steps of 2 and 1 too
-#: 1.11-1.16x (one-process A/B, docs/performance.md, "Fortieth session").
-ELEMENT_TAIL_WIDTHS = (4, 2, 1)
 #: :data:`WORD_WIDTHS` for targets without AVX-512 (16 vector registers): a 16-word step
 #: holds 16 ymm registers of inputs alone (the words' low and high elements of both
 #: halves, their cos and sin), and LLVM spilled a third of them to the stack in every
@@ -505,7 +503,7 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     8 (to 16 bytes of output for float32 rows, and streaming ones, whose output starts
     off a 64-byte line: :meth:`_Stream.off_line`; ``half`` itself for float16 rows with
     ordinary stores), and return ``n``; steps of :data:`VECTOR_WIDTHS` pairs, then
-    for float16 rows with ordinary stores :data:`ELEMENT_TAIL_WIDTHS`. float16 rows go two
+    for float16 rows with ordinary stores :data:`PAIR_TAIL_WIDTHS`. float16 rows go two
     of the widest steps at a time first, each half of the row narrowed for both steps
     and stored as one vector (:meth:`_Stream.store_joined`): F16C's conversion bounds
     these loops, and into a register it is cheaper than into memory (with the vector
@@ -538,7 +536,7 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
         )
         stream = _Stream(context, builder)
         tails = not nontemporal and x_type == types.uint16  # float16 (see its widths)
-        widths = VECTOR_WIDTHS + ELEMENT_TAIL_WIDTHS if tails else VECTOR_WIDTHS
+        widths = VECTOR_WIDTHS + PAIR_TAIL_WIDTHS if tails else VECTOR_WIDTHS
 
         def rotated(first, lanes):
             second = builder.add(first, half)
@@ -600,7 +598,7 @@ def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, hal
     offset; float32 and streaming rows off a 64-byte line as in
     :meth:`_Stream.off_line`): the pairs of a step are loaded as one vector, split into
     firsts and seconds, and merged back after the rotation. With ordinary stores, of
-    float32 as of float16, :data:`ELEMENT_TAIL_WIDTHS` after the widest steps: every
+    float32 as of float16, :data:`PAIR_TAIL_WIDTHS` after the widest steps: every
     pair of the row.
 
     Steps of the widest width go two at a time, both loaded before either is stored.
@@ -620,8 +618,8 @@ def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, hal
             context, builder, signature, args
         )
         stream = _Stream(context, builder)
-        tails = not nontemporal  # float16 and float32 (see ELEMENT_TAIL_WIDTHS)
-        widths = VECTOR_WIDTHS + ELEMENT_TAIL_WIDTHS if tails else VECTOR_WIDTHS
+        tails = not nontemporal  # float16 and float32 (see PAIR_TAIL_WIDTHS)
+        widths = VECTOR_WIDTHS + PAIR_TAIL_WIDTHS if tails else VECTOR_WIDTHS
 
         def load(pair, lanes):
             element = builder.add(pair, pair)
