@@ -28,6 +28,11 @@ whether this process may run parallel regions, and whether the JIT compiler is o
   at once one entry is lost, and both may pick the same data file name, leaving an
   index entry that names the other signature's machine code. See
   :func:`compiled_once_across_processes`.
+* Every compilation (and cache load) of a new signature runs on a thread of its own
+  (:func:`apart`), not under the call that needs it: numba's typing keeps exceptions
+  it catches, and with their tracebacks the stack's frames, in reference cycles, and
+  on the caller's stack those frames hold the call's arrays (its input and output,
+  a pooled buffer too) until Python's next full collection.
 """
 
 from __future__ import annotations
@@ -37,8 +42,10 @@ import functools
 import hashlib
 import os
 import pathlib
+import sys
+import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import numba
 from numba import types
@@ -50,6 +57,8 @@ from numba.np.ufunc import parallel as _numba_parallel
 
 #: What ``numba.njit(cache=True)`` raises when no cache location is usable.
 _NO_LOCATOR = "no locator available"
+
+_T = TypeVar("_T")
 
 
 def cached_njit(any_layout: bool = False, **options: Any) -> Callable[[Callable], Any]:
@@ -69,8 +78,10 @@ def cached_njit(any_layout: bool = False, **options: Any) -> Callable[[Callable]
         else:
             keyed_on_package_sources(dispatcher)
             compiled_once_across_processes(dispatcher)
-        if any_layout and not getattr(numba_config, "DISABLE_JIT", False):  # else plain Python
-            compiled_for_any_layout(dispatcher)
+        if not getattr(numba_config, "DISABLE_JIT", False):  # else plain Python
+            compiled_apart(dispatcher)
+            if any_layout:
+                compiled_for_any_layout(dispatcher)
         return dispatcher
 
     return decorate
@@ -114,6 +125,61 @@ def compiled_for_any_layout(dispatcher: Any) -> None:
     dispatcher._compile_for_args = _compile_for_args
 
 
+def compiled_apart(dispatcher: Any) -> None:
+    """Make a dispatcher compile (or load from its cache) each signature new to it on a
+    thread of its own (:func:`apart`); signatures it has are returned at once."""
+    compile_here = dispatcher.compile
+
+    def compile(sig: Any) -> Any:
+        if tuple(sigutils.normalize_signature(sig)[0]) in dispatcher.overloads:
+            return compile_here(sig)
+        return apart(functools.partial(compile_here, sig), dispatcher.py_func.__module__)
+
+    dispatcher.compile = compile
+
+
+def apart(work: Callable[[], _T], module: str) -> _T:
+    """``work()`` (a compilation of a function of ``module``) run on a new thread while
+    this one waits: its result, or its exception raised here.
+
+    numba's typing catches exceptions and keeps them (with their tracebacks, so the
+    frames of the stack they were raised through) in reference cycles. Under a call
+    those frames hold the call's arrays: a float32 call of a new signature kept its
+    input and its output alive, after the caller had dropped both, until the next
+    collection of the cycles (a cold cache with the collector off, in
+    ``tests/test_robustness.py``; in a running program, until Python's next full
+    collection, and a pooled output's buffer was not reused meanwhile). On a thread of its own the compilation's frames
+    hold only types. Run here instead where the new thread would wait for this one: a
+    compilation nested in one this thread is running (which holds numba's compiler
+    lock), or of a function whose module is being imported (a C callback compiled as
+    its module runs: numba's lowering imports the module, whose import lock this
+    thread holds); and where no thread can be started (at interpreter shutdown)."""
+    spec = getattr(sys.modules.get(module), "__spec__", None)
+    if global_compiler_lock.is_locked() or getattr(spec, "_initializing", False):
+        return work()
+    outcome: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, work()))
+        except BaseException as error:  # raised again on the calling thread
+            outcome.append((False, error))
+
+    thread = threading.Thread(target=run, name="numba_rope compiler")
+    try:
+        thread.start()
+    except RuntimeError:  # pragma: no cover - at interpreter shutdown
+        return work()
+    thread.join()
+    done, value = outcome.pop()
+    if not done:
+        try:
+            raise value
+        finally:
+            del value  # else a cycle: its traceback holds this frame, which holds it
+    return value  # type: ignore[no-any-return]
+
+
 def cached_cfunc(signature: Any, **options: Any) -> Callable[[Callable], Any]:
     """``numba.cfunc(signature, cache=True, **options)`` (what that decorator does,
     with its cache index read and written under :func:`index_lock`), compiled in memory
@@ -126,10 +192,10 @@ def cached_cfunc(signature: Any, **options: Any) -> Callable[[Callable], Any]:
         except RuntimeError as error:
             if _NO_LOCATOR not in str(error):
                 raise
-            return numba.cfunc(signature, **options)(function)
+            return apart(lambda: numba.cfunc(signature, **options)(function), function.__module__)
         keyed_on_package_sources(callback)
         _index_locked(callback)
-        callback.compile()
+        apart(callback.compile, function.__module__)
         return callback
 
     return decorate

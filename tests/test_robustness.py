@@ -478,3 +478,102 @@ def test_a_function_compiled_for_any_layout_serves_every_layout_with_one_compila
     assert weighted(read_only, values, 1) == float(np.sum(values * values))
     assert len(weighted.overloads) == 2
     assert all(kind.layout == "A" for args in weighted.overloads for kind in args[:2])
+
+
+# -- compilations apart from the call that needs them ---------------------------------------
+
+#: A process with a cache of its own (cold): the first calls compile numba's parallel
+#: kernels, q and k's too, and the compiled plans (made at a signature's 8th call), with
+#: Python's collector of cycles off; prints, for each call, how many of its arrays
+#: (input, k, outputs) outlived the caller's last reference to them.
+COLD_CALLS_SCRIPT = """
+import gc, json, sys, weakref
+import numpy as np
+import numba_rope
+from numba_rope import config
+
+assert numba_rope.__file__.startswith(sys.argv[1]), numba_rope.__file__
+cos, sin = numba_rope.rope_cache(8, 16, dtype=np.float32)
+ids = np.arange(8)[None]
+rng = np.random.default_rng(5)
+config.PARALLEL_MIN_ELEMENTS = 0  # numba's parallel kernels, whose typing keeps cycles
+gc.disable()
+alive = []
+for call in range(10):
+    x = rng.standard_normal((1, 2, 8, 16), dtype=np.float32)
+    k = rng.standard_normal((1, 1, 8, 16), dtype=np.float32)
+    out = numba_rope.rotary_embedding(x, cos, sin, ids)
+    q_out, k_out = numba_rope.rotary_embedding_qk(x, k, cos, sin, ids)
+    held = [weakref.ref(array) for array in (x, k, out, q_out, k_out)]
+    del x, k, out, q_out, k_out
+    alive.append(sum(ref() is not None for ref in held))
+print(json.dumps(alive))
+"""
+
+
+def test_arrays_of_a_call_that_compiles_are_freed_with_the_callers_references(tmp_path):
+    """numba's typing keeps the exceptions it catches in reference cycles, and with
+    them the frames they passed through. Compiled under the call that needed it, a
+    kernel's typing kept that call's input and outputs alive after the caller had let
+    go of them, until the collector's next pass over old objects (a full one, in a
+    running program): a pooled output's buffer was not reused meanwhile. Compiled on a
+    thread of its own, the arrays go with the caller's last reference."""
+    env = _env(ROOT, NUMBA_CACHE_DIR=str(tmp_path / "cold-cache"))
+    alive = json.loads(_run(COLD_CALLS_SCRIPT, env, tmp_path).stdout.splitlines()[-1])
+    assert alive == [0] * 10
+
+
+def test_a_compilation_runs_on_a_thread_of_its_own_nested_ones_here():
+    import gc
+    import threading
+    import weakref
+
+    import numba
+    from numba import types
+    from numba.core.compiler_lock import global_compiler_lock
+
+    from numba_rope._jit import apart, compiled_apart
+
+    @numba.njit
+    def total(a):
+        return a.sum()
+
+    threads = []
+    compile_here = total.compile
+
+    def compile_keeping_frames(sig):
+        # What numba's typing does: an exception caught and kept in a reference cycle,
+        # its traceback holding this frame, and through it every frame under it.
+        try:
+            raise ValueError("kept")
+        except ValueError as error:
+            kept: list = [error]
+            kept.append(kept)
+        threads.append(threading.get_ident())
+        return compile_here(sig)
+
+    total.compile = compile_keeping_frames
+    compiled_apart(total)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        values = np.arange(4.0)
+        held = weakref.ref(values)
+        assert total(values) == 6.0
+        del values
+        assert held() is None  # not held by the compilation's frames
+    finally:
+        if collecting:
+            gc.enable()
+    here = threading.get_ident()
+    assert len(threads) == 1 and threads[0] != here
+    total.compile((types.Array(types.float64, 1, "C"),))  # compiled before: at once, here
+    assert threads[1:] == [here]
+    with global_compiler_lock:  # nested in a compilation of this thread: here
+        total.compile((types.Array(types.float32, 1, "C"),))
+    assert threads[2:] == [here]
+    assert total(np.arange(3, dtype=np.float32)) == 3.0
+    with pytest.raises(ZeroDivisionError):  # raised again on the calling thread
+        apart(lambda: 1 / 0, __name__)
+    assert apart(threading.get_ident, __name__) != here
+    assert apart(lambda: "result", __name__) == "result"
