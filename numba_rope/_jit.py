@@ -32,7 +32,7 @@ whether this process may run parallel regions, and whether the JIT compiler is o
   (:func:`apart`), not under the call that needs it: numba's typing keeps exceptions
   it catches, and with their tracebacks the stack's frames, in reference cycles, and
   on the caller's stack those frames hold the call's arrays (its input and output,
-  a pooled buffer too) until Python's next full collection.
+  a pooled buffer too) until Python's cycle collector reaches them.
 """
 
 from __future__ import annotations
@@ -147,8 +147,9 @@ def apart(work: Callable[[], _T], module: str) -> _T:
     those frames hold the call's arrays: a float32 call of a new signature kept its
     input and its output alive, after the caller had dropped both, until the next
     collection of the cycles (a cold cache with the collector off, in
-    ``tests/test_robustness.py``; in a running program, until Python's next full
-    collection, and a pooled output's buffer was not reused meanwhile). On a thread of its own the compilation's frames
+    ``tests/test_robustness.py``; in a running program, until the collector passes over
+    the generation they reached, and a pooled output's buffer was not reused
+    meanwhile). On a thread of its own the compilation's frames
     hold only types. Run here instead where the new thread would wait for this one: a
     compilation nested in one this thread is running (which holds numba's compiler
     lock), or of a function whose module is being imported (a C callback compiled as

@@ -515,8 +515,8 @@ def test_arrays_of_a_call_that_compiles_are_freed_with_the_callers_references(tm
     """numba's typing keeps the exceptions it catches in reference cycles, and with
     them the frames they passed through. Compiled under the call that needed it, a
     kernel's typing kept that call's input and outputs alive after the caller had let
-    go of them, until the collector's next pass over old objects (a full one, in a
-    running program): a pooled output's buffer was not reused meanwhile. Compiled on a
+    go of them, until the collector passed over the generation the cycles had reached:
+    a pooled output's buffer was not reused meanwhile. Compiled on a
     thread of its own, the arrays go with the caller's last reference."""
     env = _env(ROOT, NUMBA_CACHE_DIR=str(tmp_path / "cold-cache"))
     alive = json.loads(_run(COLD_CALLS_SCRIPT, env, tmp_path).stdout.splitlines()[-1])
