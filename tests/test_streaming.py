@@ -100,6 +100,12 @@ def test_streamed_rows_give_the_contract_bits(
     _check_streamed_rows(rng, stream_always, dtype, head_size, rotary_dim, interleaved)
 
 
+def _streams_from(out):
+    # Whether an output starts where it may stream (vector.STREAM_START_ALIGNMENT).
+    start = 64 if out.dtype == BFLOAT16 else cpu_vector.STREAM_ALIGNMENT
+    return out.ctypes.data % start == 0
+
+
 def _check_streamed_rows(rng, requested, dtype, head_size, rotary_dim, interleaved, in_place=True):
     aligned_part = rotary_dim if interleaved else rotary_dim // 2
     streams = all(
@@ -117,10 +123,14 @@ def _check_streamed_rows(rng, requested, dtype, head_size, rotary_dim, interleav
     assert_bitwise_equal(out, want)
     allocated = numba_rope.rotary_embedding(x, cos, sin, ids, **options)
     assert_bitwise_equal(allocated, want)
+    # Small allocated outputs lie where NumPy puts them: bfloat16 ones streamed from a
+    # line only (vector.STREAM_START_ALIGNMENT).
+    expected = [streams, streams and _streams_from(allocated)]
     if dtype == np.float32 and head_size == 128:  # the sign is one code for all dtypes
         inverse = numba_rope.rotary_embedding(out, cos, sin, ids, inverse=True, **options)
         want_inverse = float32_contract(out, cos, -sin, ids, interleaved, rotary_dim)
         assert_bitwise_equal(inverse, want_inverse)
+        expected.append(streams and _streams_from(inverse))
     if in_place:
         work = aligned(shape, dtype)
         work[...] = x
@@ -139,8 +149,7 @@ def _check_streamed_rows(rng, requested, dtype, head_size, rotary_dim, interleav
     )
     assert_bitwise_equal(got_q, want)
     assert_bitwise_equal(got_k, float32_contract(k, cos, sin, ids, interleaved, rotary_dim))
-    assert _streamed(requested) == [streams] * len(requested)
-    assert len(requested) >= 3
+    assert _streamed(requested) == [*expected, streams]
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
@@ -150,21 +159,27 @@ def test_streamed_rows_in_the_parallel_kernels(rng, monkeypatch, stream_always, 
     # (element vectors) and bfloat16 (word vectors); float16 shares float32's path.
     monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", 0)
     _check_streamed_rows(rng, stream_always, dtype, 96, 48, interleaved, in_place=False)
-    assert all(_streamed(stream_always))
+    streamed = _streamed(stream_always)  # out= and q+k into outputs on lines
+    assert streamed[0] and streamed[-1]
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("dtype", STREAMED, ids=[d.name for d in STREAMED])
 def test_streamed_outputs_off_a_line_give_the_contract_bits(rng, stream_always, dtype, interleaved):
-    # NumPy's large arrays start 16 bytes past a 64-byte line: streamed float32 and
-    # float16 rows then start their loops on the line, with steps of 16 and 32 bytes
-    # over the edges (vector._Stream.off_line); bfloat16 words, and the copy of the
-    # channels past rotary_dim, keep their steps. Rows of 64 and 88 pairs (176
-    # channels: a 16-bit second half off its first half's line), of 40 and 32 with
-    # channels past rotary_dim (24 and 64 of them); one tensor and q+k.
+    # Rows off a 64-byte line: streamed float32 and float16 rows start their loops on
+    # the line, with steps of 16 and 32 bytes over the edges (vector._Stream.off_line);
+    # bfloat16 words, and the copy of the channels past rotary_dim, keep their steps.
+    # Rows of 64 and 88 pairs (176 channels: a 16-bit second half off its first half's
+    # line; rows of 704 and 352 bytes, every other one or three in four off a line
+    # from an output on one), of 40 and 32 with channels past rotary_dim (24 and 64 of
+    # them); one tensor and q+k. An output whose first element is off a line (NumPy's
+    # large arrays start 16 bytes past one) streams but in bfloat16 (see
+    # vector.STREAM_START_ALIGNMENT), which takes ordinary stores, to the same bits.
+    expected = []
     for (head_size, rotary_dim), offset in itertools.product(
-        [(128, 128), (176, 176), (104, 80), (128, 64)], (16, 32, 48)
+        [(128, 128), (176, 176), (104, 80), (128, 64)], (0, 16, 32, 48)
     ):
+        expected += [offset == 0 or dtype != BFLOAT16] * 2
         shape = (2, 3, 5, head_size)
         x, cos, sin, ids = make_case(rng, shape, dtype, rotary_dim=rotary_dim)
         k = rng.standard_normal((2, 1, 5, head_size)).astype(dtype)
@@ -177,8 +192,7 @@ def test_streamed_outputs_off_a_line_give_the_contract_bits(rng, stream_always, 
         numba_rope.rotary_embedding_qk(x, k, cos, sin, ids, out_q=out_q, out_k=out_k, **options)
         assert_bitwise_equal(out_q, want)
         assert_bitwise_equal(out_k, float32_contract(k, cos, sin, ids, interleaved, rotary_dim))
-    assert len(stream_always) == 24
-    assert all(_streamed(stream_always))
+    assert _streamed(stream_always) == expected
 
 
 def test_streamed_rows_with_float32_caches_and_no_position_ids(rng, stream_always):
@@ -196,14 +210,21 @@ def test_streamed_16_bit_rows_with_float32_caches_off_a_line(rng, stream_always,
     # 16-bit rows with float32 caches take the element steps (bfloat16 too: words need
     # bfloat16 caches), whose edges off a line store 16 bytes; their bfloat16 results
     # stay in registers for the non-temporal store (test_targets.py checks the code).
-    for dtype, offset in itertools.product((np.float16, BFLOAT16), (16, 48)):
-        shape = (2, 3, 5, 128)
+    # float16 outputs 16 and 48 bytes past a line; bfloat16 ones, which stream only
+    # from a line (vector.STREAM_START_ALIGNMENT), on one, with rows of 288 bytes:
+    # every other row 32 bytes past a line.
+    for dtype, head_size, offset in (
+        (np.float16, 128, 16),
+        (np.float16, 128, 48),
+        (BFLOAT16, 144, 0),
+    ):
+        shape = (2, 3, 5, head_size)
         x, cos, sin, ids = make_case(rng, shape, dtype, cache_dtype=np.float32)
         want = float32_contract(x, cos, sin, ids, interleaved)
         out = aligned(shape, dtype, offset)
         numba_rope.rotary_embedding(x, cos, sin, ids, out=out, interleaved=interleaved)
         assert_bitwise_equal(out, want)
-    assert len(stream_always) == 4
+    assert len(stream_always) == 3
     assert all(_streamed(stream_always))
 
 
@@ -259,6 +280,15 @@ def test_what_streams(monkeypatch):
     assert cpu_backend.streaming(64, False, big[:, :2], inputs=(big[:, 2:],))
     assert not cpu_backend.streaming(2, False, big)  # second half 4 bytes in
     assert not cpu_backend.streaming(64, False, aligned((1, 4, 8, 64), np.float32, offset=4))
+    # The first element on a 64-byte line for bfloat16 (int16 storage), on 16 bytes for
+    # float32 and float16 (uint16): see vector.STREAM_START_ALIGNMENT.
+    for offset in (16, 32, 48):
+        assert cpu_backend.streaming(64, False, aligned((1, 4, 8, 64), np.float32, offset=offset))
+        assert not cpu_backend.streaming(
+            80, False, aligned((1, 4, 16, 80), np.int16, offset=offset)
+        )
+        assert cpu_backend.streaming(80, False, aligned((1, 4, 16, 80), np.uint16, offset=offset))
+    assert cpu_backend.streaming(80, False, aligned((1, 4, 16, 80), np.int16))
     assert not cpu_backend.streaming(64, False, aligned((1, 4, 8, 64), np.float64))
     assert not cpu_backend.streaming(60, False, aligned((1, 4, 8, 60), np.float32))  # rows 240 B
     uint16 = aligned((1, 4, 16, 80), np.uint16)  # 16-bit storage: rows of 160 bytes

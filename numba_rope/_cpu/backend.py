@@ -68,6 +68,7 @@ from numba_rope._cpu.vector import (
     STREAM_ALIGNMENT,
     STREAM_COPY_ELEMENTS,
     STREAM_PAIRS,
+    STREAM_START_ALIGNMENT,
 )
 from numba_rope._geometry import (
     SWAP_HEADS_AND_TOKENS,
@@ -375,9 +376,12 @@ def streamable_shapes(rotary_dim: int, interleaved: bool, *outs) -> bool:
 
 def stream_aligned(out: np.ndarray) -> bool:
     """The part of :func:`streaming` that depends on where an output lies: its first
-    element and its rows on ``STREAM_ALIGNMENT`` bytes (``kernels`` checks the same
-    for the calls of a compiled plan)."""
-    if out.ctypes.data % STREAM_ALIGNMENT:
+    element on ``STREAM_START_ALIGNMENT`` bytes for bfloat16 storage (a 64-byte line,
+    see :data:`numba_rope._cpu.vector.STREAM_START_ALIGNMENT`), on ``STREAM_ALIGNMENT``
+    bytes for others, and its rows on ``STREAM_ALIGNMENT`` bytes (``kernels`` checks the
+    same for the calls of a compiled plan)."""
+    start = STREAM_START_ALIGNMENT if out.dtype == BFLOAT16_STORAGE else STREAM_ALIGNMENT
+    if out.ctypes.data % start:
         return False
     return not any(stride % STREAM_ALIGNMENT for stride in out.strides[:-1])
 

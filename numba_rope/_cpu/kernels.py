@@ -26,6 +26,7 @@ from numba_rope._cpu import relay
 from numba_rope._cpu.vector import (
     BFLOAT16_TYPE,
     STREAM_ALIGNMENT,
+    STREAM_START_ALIGNMENT,
     pair_rows,
     prefetch_rows,
     prefetch_span,
@@ -1048,7 +1049,8 @@ def _distinct_output_overload(out):
 
 
 def _stream_aligned(out):  # pragma: no cover - see overload
-    """Whether ``out`` (or None) starts, and has its rows, on ``STREAM_ALIGNMENT``
+    """Whether ``out`` (or None) starts on ``STREAM_START_ALIGNMENT`` bytes (bfloat16
+    storage; ``STREAM_ALIGNMENT`` for others) and has its rows on ``STREAM_ALIGNMENT``
     bytes: the part of ``backend.streaming`` that depends on where an output lies
     rather than on the call's shapes, dtypes and options."""
     raise NotImplementedError
@@ -1058,9 +1060,11 @@ def _stream_aligned(out):  # pragma: no cover - see overload
 def _stream_aligned_overload(out):
     if isinstance(out, types.NoneType):
         return lambda out: True
+    # bfloat16 travels as int16 storage (see backend.storage_dtype)
+    start = STREAM_START_ALIGNMENT if out.dtype == types.int16 else STREAM_ALIGNMENT
 
     def impl(out):
-        if out.ctypes.data % STREAM_ALIGNMENT:
+        if out.ctypes.data % start:
             return False
         for i in range(out.ndim - 1):
             if out.strides[i] % STREAM_ALIGNMENT:

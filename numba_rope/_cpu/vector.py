@@ -148,6 +148,16 @@ CONSTANT_HALVES = (64, 32)
 #: ones.
 STREAM_ALIGNMENT = 16
 
+#: bfloat16 outputs stream only when their first element starts a 64-byte line (their
+#: rows then on :data:`STREAM_ALIGNMENT` bytes, as every output's). NumPy's large arrays
+#: start 16 bytes past a line (``np.empty_like(x)`` for ``out=``), and into such
+#: bfloat16 outputs ordinary stores took 0.67-0.82x the time of non-temporal ones
+#: (prefill, prefill_3d, batch prefill, the interleaved partial prefill; one-process
+#: A/B, docs/performance.md, "Forty-first session"). float32 measured 0.77-0.88x in two
+#: workloads and 1.04-1.10x in two others, float16 0.99-1.00x: both stream from
+#: :data:`STREAM_ALIGNMENT` bytes as before.
+STREAM_START_ALIGNMENT = 64
+
 #: Every vector step stores a row's rotated pairs in multiples of this many (element
 #: rows and the interleaved bfloat16 words: the narrowest of :data:`VECTOR_WIDTHS`; the
 #: non-interleaved words: twice the narrowest of :data:`WORD_WIDTHS`, two pairs a word),
