@@ -18,6 +18,7 @@ from plan_counting import counting_plans
 
 import numba_rope
 from numba_rope import config
+from numba_rope._aligned import empty_on_line
 from numba_rope._cpu import backend as cpu_backend
 from numba_rope._cpu import kernels as cpu_kernels
 
@@ -1269,6 +1270,37 @@ def test_compiled_plan_of_a_large_call_leaves_other_calls_to_the_general_path(
     ran = fast_runs["one"][0]
     assert_bitwise_equal(numba_rope.rotary_embedding(x, cos, sin, ids, out=planned), want)
     assert fast_runs["one"][0] == ran + 1  # the plan's own call still runs by it
+
+
+@pytest.mark.parametrize("planned_offset", [0, 16], ids=["on a line", "off a line"])
+def test_compiled_plan_of_a_large_bfloat16_call_and_where_its_output_starts(
+    rng, fast_runs, large_calls, planned_offset
+):
+    # bfloat16 outputs stream only from a 64-byte line (vector.STREAM_START_ALIGNMENT),
+    # in the general path's choice and in the compiled plan's check alike: a plan made
+    # for an output 16 bytes past a line (ordinary stores) runs the calls into outputs
+    # placed so and leaves those on a line (streamed) to the general path, and the
+    # other way round; every call gives the contract's bits.
+    shape = (2, 4, 16, 16)
+    x, cos, sin, ids = make_case(rng, shape, BFLOAT16, n_positions=20)
+    want = float32_contract(x, cos, sin, ids)
+
+    def call(offset):
+        out = empty_on_line(shape, BFLOAT16, offset=offset)
+        assert numba_rope.rotary_embedding(x, cos, sin, ids, out=out) is out
+        return out
+
+    for _ in range(cpu_backend.FAST_AFTER + 2):  # the last one by the compiled plan
+        assert_bitwise_equal(call(planned_offset), want)
+    counted = _large_plans_counted(1)
+    assert fast_runs["one"] == counted
+    if counted == [0, 0]:
+        pytest.skip("one numba thread: no large call runs in a parallel region")
+    assert_bitwise_equal(call(planned_offset), want)  # placed alike: by the plan
+    assert fast_runs["one"] == _large_plans_counted(2)
+    before = list(fast_runs["one"])
+    assert_bitwise_equal(call(16 - planned_offset), want)  # placed otherwise
+    assert fast_runs["one"] == [before[0], before[1] + 1]
 
 
 def _rows_apart(cache, width):
