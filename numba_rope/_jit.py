@@ -125,13 +125,18 @@ def compiled_for_any_layout(dispatcher: Any) -> None:
     dispatcher._compile_for_args = _compile_for_args
 
 
+def has_signature(dispatcher: Any, sig: Any) -> bool:
+    """Whether ``dispatcher`` has compiled (or loaded) the arguments of ``sig``."""
+    return tuple(sigutils.normalize_signature(sig)[0]) in dispatcher.overloads
+
+
 def compiled_apart(dispatcher: Any) -> None:
     """Make a dispatcher compile (or load from its cache) each signature new to it on a
     thread of its own (:func:`apart`); signatures it has are returned at once."""
     compile_here = dispatcher.compile
 
     def compile(sig: Any) -> Any:
-        if tuple(sigutils.normalize_signature(sig)[0]) in dispatcher.overloads:
+        if has_signature(dispatcher, sig):
             return compile_here(sig)
         return apart(functools.partial(compile_here, sig), dispatcher.py_func.__module__)
 
@@ -311,7 +316,7 @@ def compiled_once_across_processes(dispatcher: Any) -> None:
 
     def compile(sig: Any) -> Any:
         with global_compiler_lock:
-            if tuple(sigutils.normalize_signature(sig)[0]) in dispatcher.overloads:
+            if has_signature(dispatcher, sig):
                 return compile_now(sig)  # compiled or loaded before: no lock, no key
             with compile_lock(dispatcher, sig):
                 return compile_now(sig)
