@@ -67,6 +67,23 @@ def check_unrecorded(tensor: Any, argument: str, forward_mode: bool) -> None:
     )
 
 
+def unwrapped_if_dead(tensor: Any) -> Any:
+    """``tensor``, or the tensor it stands for where it is the wrapper of a
+    ``torch.func`` transform that has returned (a "dead" wrapper, which reads as that
+    tensor): ``torch.func.vjp``'s function runs the backward after its transform ended,
+    with the tensors saved under it (caches, offsets). Nested dead wrappers are
+    unwrapped to the first live one or a plain tensor."""
+    import torch
+
+    unwrap = getattr(torch._C._functorch, "unwrap_if_dead", None)
+    if unwrap is None:
+        return tensor
+    inner = unwrap(tensor)
+    while inner is not tensor:
+        tensor, inner = inner, unwrap(inner)
+    return tensor
+
+
 def transformed(tensor: Any) -> bool:
     """Whether ``tensor`` is a ``torch.func`` transform's wrapper (``vmap``, ``grad``,
     ``jvp``, ...): its memory is not the values it stands for."""

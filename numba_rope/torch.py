@@ -218,13 +218,27 @@ def _zeros_for_none(ctx: Any, *tensors: Tensor | None) -> tuple[Tensor, ...]:
     )
 
 
+#: torch's test for a batched tensor of its older vmap (None where a torch has none).
+_IS_LEGACY_BATCHED = getattr(torch._C._functorch, "is_legacy_batchedtensor", None)
+
+
+def _legacy_batched(grad: Tensor) -> bool:
+    """Whether ``grad`` is a batched tensor of torch's older vmap, which
+    ``torch.autograd.grad(..., is_grads_batched=True)`` hands a backward (so do
+    ``gradcheck(check_batched_grad=True)`` and ``jacobian(vectorize=True)``). It has
+    no memory of its own to read, so the backward calls the op through torch's
+    dispatcher, whose fallback for that vmap runs the op on each gradient of the
+    batch (about 0.1 us a test)."""
+    return _IS_LEGACY_BATCHED is not None and bool(_IS_LEGACY_BATCHED(grad))
+
+
 def _rotary_backward(ctx: Any, grad: Tensor | None) -> tuple:
     _refuse_cache_gradient(ctx.needs_input_grad, _CACHES_ONE)
     if grad is None:  # (the forward-mode function does not materialize zeros)
         return (None,) * 12
     cos, sin, ids, offsets = ctx.saved_tensors
     interleaved, rotary_dim, layout, num_heads, inverse, full_width = ctx.options
-    grad_input = recorded_op(
+    grad_input = (_rotary_op if _legacy_batched(grad) else recorded_op)(
         grad,
         cos,
         sin,
@@ -251,7 +265,8 @@ def _rotary_qk_backward(ctx: Any, grad_q: Tensor | None, grad_k: Tensor | None) 
         grad_q, grad_k = _zeros_for_none(ctx, grad_q, grad_k)
     cos, sin, ids, offsets = ctx.saved_tensors
     interleaved, rotary_dim, layout, num_heads, num_kv_heads, inverse, full_width = ctx.options
-    grads = recorded_qk_op(
+    batched = _legacy_batched(grad_q) or _legacy_batched(grad_k)
+    grads = (_rotary_qk_op if batched else recorded_qk_op)(
         grad_q,
         grad_k,
         cos,
@@ -550,8 +565,8 @@ def _direct(inputs: tuple) -> bool:
     transform, and no dispatch or function mode that expects to see the op. The same
     implementation, so the same results. ``inputs``: the call's tensor arguments
     (None where one is not given)."""
-    if _DISPATCH_MODES is None or _FUNCTION_MODES is None:
-        return False
+    if _DISPATCH_MODES is None or _FUNCTION_MODES is None or inputs[0].is_meta:
+        return False  # (meta tensors: the op's fake implementation gives their result)
     grad = torch.is_grad_enabled()
     for value in inputs:
         if isinstance(value, Tensor) and (

@@ -824,6 +824,113 @@ def test_errors_under_vmap_say_the_batch_is_folded(rng):
         )
 
 
+@pytest.mark.parametrize("dtype_name", ["float32", "float64"])
+def test_vjp_functions_run_after_their_transform_with_offset_tensors(rng, dtype_name):
+    """torch.func.vjp returns a function that runs the backward after the transform
+    has ended, with the tensors saved under it (caches, offsets) as its dead wrappers:
+    they read as the tensors they stand for (a tensor of offsets took the general
+    path, which refused them as tensors inside a transform). The gradient is the
+    inverse rotation of the weights: the contract's reference, bit for bit."""
+    dtype = NUMPY_DTYPES[dtype_name]
+    x, cos, sin = case(rng, dtype, shape=(2, 5, 3, 8))
+    k = rng.standard_normal((2, 5, 1, 8)).astype(dtype)
+    offsets = np.array([3, 0])
+    tc, ts, to = tensor(cos), tensor(sin), torch.from_numpy(offsets)
+    weights = rng.standard_normal(x.shape).astype(dtype)
+    weights_k = rng.standard_normal(k.shape).astype(dtype)
+
+    def inverse(w):
+        return reference.rotary_embedding(
+            w, cos, sin, position_offset=offsets, layout="bshd", inverse=True,
+            precision="contract",
+        )  # fmt: skip
+
+    _, pull = torch.func.vjp(
+        lambda t: numba_rope.torch.rotary_embedding(t, tc, ts, position_offset=to, layout="bshd"),
+        torch.from_numpy(x),
+    )
+    (grad,) = pull(torch.from_numpy(weights))
+    np.testing.assert_array_equal(grad.numpy(), inverse(weights))
+    _, pull = torch.func.vjp(
+        lambda q, kk: numba_rope.torch.rotary_embedding_qk(
+            q, kk, tc, ts, position_offset=to, layout="bshd"
+        ),
+        torch.from_numpy(x),
+        torch.from_numpy(k),
+    )
+    grad_q, grad_k = pull((torch.from_numpy(weights), torch.from_numpy(weights_k)))
+    np.testing.assert_array_equal(grad_q.numpy(), inverse(weights))
+    np.testing.assert_array_equal(grad_k.numpy(), inverse(weights_k))
+
+
+def test_batched_gradients_of_the_older_vmap(rng):
+    """``torch.autograd.grad(..., is_grads_batched=True)`` (and what uses it:
+    gradcheck's batched check, ``jacobian(vectorize=True)``) hands the backward a
+    batched tensor of torch's older vmap, which has no memory to read: the backward
+    calls the op through the dispatcher, whose fallback rotates each gradient of the
+    batch. Each must be the inverse rotation of its weights (the reference, float64
+    computed in float64 by both); the Jacobian of a rotation is its matrix, orthogonal."""
+    x, cos, sin = case(rng, np.float64, shape=(2, 5, 2, 8))
+    k = rng.standard_normal((2, 5, 1, 8))
+    tc, ts = tensor(cos), tensor(sin)
+    q_t = torch.from_numpy(x).requires_grad_()
+    k_t = torch.from_numpy(k).requires_grad_()
+    weights = rng.standard_normal((3, *x.shape))
+    weights_k = rng.standard_normal((3, *k.shape))
+
+    def inverse(w):
+        return reference.rotary_embedding(
+            w, cos, sin, position_offset=2, layout="bshd", inverse=True
+        )
+
+    def rope(t):
+        return numba_rope.torch.rotary_embedding(t, tc, ts, position_offset=2, layout="bshd")
+
+    (grads,) = torch.autograd.grad(rope(q_t), q_t, torch.from_numpy(weights), is_grads_batched=True)
+    q_out, k_out = numba_rope.torch.rotary_embedding_qk(
+        q_t, k_t, tc, ts, position_offset=2, layout="bshd"
+    )
+    grads_q, grads_k = torch.autograd.grad(
+        (q_out, k_out), (q_t, k_t),
+        (torch.from_numpy(weights), torch.from_numpy(weights_k)), is_grads_batched=True,
+    )  # fmt: skip
+    for i in range(3):
+        np.testing.assert_array_equal(grads[i].numpy(), inverse(weights[i]))
+        np.testing.assert_array_equal(grads_q[i].numpy(), inverse(weights[i]))
+        np.testing.assert_array_equal(grads_k[i].numpy(), inverse(weights_k[i]))
+    assert torch.autograd.gradcheck(rope, (q_t,), check_batched_grad=True)
+    jacobian = torch.autograd.functional.jacobian(rope, q_t.detach(), vectorize=True)
+    matrix = jacobian.numpy().reshape(x.size, x.size)
+    np.testing.assert_allclose(matrix @ matrix.T, np.eye(x.size), rtol=0, atol=1e-14)
+
+
+def test_meta_tensors_give_the_shape_of_the_result(rng):
+    """Meta tensors (no data: shapes only, as a model built on ``torch.device("meta")``
+    runs) go to the op's fake implementation, with or without grad (without grad they
+    had taken the direct path and were refused as a device NumPy cannot read)."""
+    x = torch.empty(2, 5, 3, 8, device="meta")
+    k = torch.empty(2, 5, 1, 8, device="meta", dtype=torch.float32)
+    cos, sin = torch.empty(12, 4, device="meta"), torch.empty(12, 4, device="meta")
+    for grad in (False, True):
+        q = x.clone().requires_grad_(grad)
+        y = numba_rope.torch.rotary_embedding(q, cos, sin, position_offset=1, layout="bshd")
+        yq, yk = numba_rope.torch.rotary_embedding_qk(
+            q, k, cos, sin, position_offset=1, layout="bshd"
+        )
+        for got, like in ((y, x), (yq, x), (yk, k)):
+            assert (got.shape, got.dtype, got.device.type) == (like.shape, like.dtype, "meta")
+        assert y.requires_grad is grad
+
+
+def test_nested_tensors_are_refused_with_the_way_out(rng):
+    x, cos, sin = case(rng, np.float32, shape=(3, 2, 8))
+    nested = torch.nested.nested_tensor(
+        [torch.from_numpy(x), torch.from_numpy(x[:2])], layout=torch.jagged
+    )
+    with pytest.raises(TypeError, match=r"input is a nested torch tensor.*to_padded_tensor"):
+        numba_rope.rotary_embedding(nested, tensor(cos), tensor(sin), position_offset=0)
+
+
 def test_functionalize_calls_the_op(rng):
     """torch.func.functionalize (which torch.export and make_fx use) over the functions,
     vmap inside it too: the reference's values (it refused the autograd.Function a

@@ -14,7 +14,9 @@ What a NumPy view cannot carry is refused or resolved here, before anything is
 written: a tensor that records autograd, reverse or forward mode, or one inside a
 ``torch.func`` transform (:mod:`numba_rope._autograd`; use :mod:`numba_rope.torch`),
 an ``out`` with torch's negative or conjugate bit (an input with one is resolved, a
-copy), a layout other than strided, a dtype NumPy cannot hold. An ``out`` tensor written
+copy), a nested tensor or a layout other than strided, a dtype NumPy cannot hold.
+A dead ``torch.func`` wrapper (a tensor saved under a transform that has returned,
+as ``torch.func.vjp``'s function reads them) is read as the tensor it stands for. An ``out`` tensor written
 through its view has its autograd version counter bumped, as an in-place torch
 operation would, so a graph that saved it refuses to run backward on stale values.
 
@@ -28,7 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from numba_rope._autograd import check_unrecorded, forward_ad_active, numpy_view, tangent
+from numba_rope._autograd import (
+    check_unrecorded,
+    forward_ad_active,
+    numpy_view,
+    tangent,
+    unwrapped_if_dead,
+)
 
 #: Output arguments, by name (written through their views).
 _OUTPUT_NAMES = ("out", "out_q", "out_k")
@@ -43,11 +51,18 @@ def host_view(tensor: Any, argument: str) -> np.ndarray:
     import torch
 
     output = argument in _OUTPUT_NAMES
+    if tensor.is_nested:
+        raise TypeError(
+            f"{argument} is a nested torch tensor; rotary_embedding takes strided (dense) "
+            f"tensors: pad it (torch.nested.to_padded_tensor), or pack its sequences "
+            f"and use numba_rope.flash_attn.apply_rotary_emb with cu_seqlens"
+        )
     if tensor.layout is not torch.strided:
         raise TypeError(
             f"{argument} is a torch tensor of layout {tensor.layout}; rotary_embedding "
             f"takes strided (dense) tensors: convert it with .to_dense()"
         )
+    tensor = unwrapped_if_dead(tensor)  # (a torch.func.vjp function's saved tensors)
     check_unrecorded(tensor, argument, forward_ad_active())
     if tensor.is_neg() or tensor.is_conj():
         bit = "negative" if tensor.is_neg() else "conjugate"
