@@ -90,6 +90,9 @@ def main() -> int:
         variants += [
             (("float32", "float32"), "ids", types.Array(types.int32, 2, "A")),
             (("bfloat16", "float32"), "ids", types.Array(types.uint8, 2, "A")),
+            # offsets of other integer types: signed (negative ones) and unsigned
+            (("float32", "float32"), "offsets", types.Array(types.uint64, 1, "A")),
+            (("float16", "float16"), "offsets", types.Array(types.int32, 1, "A")),
         ]
         for (input_dtype, cache_dtype), kind, positions in variants:
             compute = types.float64 if input_dtype == "float64" else types.float32

@@ -143,6 +143,51 @@ def test_unchecked_offsets_near_the_top_of_uint64_give_nan_rows(rng, gpu):
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_a_signaling_nan_in_a_cache_gives_nan_and_no_warning(device):
+    """A signaling NaN (an invalid operand to IEEE arithmetic) in sin_cache: the
+    channels it multiplies are NaN, the others exact, and no warning (the tests turn
+    warnings into errors; the simulator's multiplication by the sign, in NumPy
+    scalars, had warned)."""
+    on, off = device
+    x = np.ones((1, 1, 1, 4), np.float32)
+    cos = np.ones((1, 1, 2), np.float32)
+    sin = np.zeros((1, 1, 2), np.float32)
+    sin.view(np.uint32)[0, 0, 0] = 0x7F800001
+    got = off(numba_rope.rotary_embedding(on(x), on(cos), on(sin)))
+    assert np.isnan(got[0, 0, 0, [0, 2]]).all()
+    assert_bitwise_equal(got[0, 0, 0, [1, 3]], np.ones(2, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.int8])
+def test_unchecked_negative_offsets_leave_the_tokens_they_reach_rotated(rng, gpu, dtype):
+    """Unchecked, an offset works as the position ids ``offset + arange(seq_len)``:
+    with a negative one only the tokens before row 0 get NaN rows, the others their
+    rotation, as with an int offset or those ids (the array form had given every token
+    of the entry NaN, the rule of uint64 offsets above 2**63)."""
+    on, off = gpu
+    x, cos, sin, _ = make_case(rng, (3, 2, 4, 8), np.float32, position_ids=True)
+    offsets = np.array([-1, -3, -(2**63) if dtype == np.int64 else -100], dtype)
+    got = off(
+        numba_rope.rotary_embedding(
+            on(x), on(cos), on(sin), position_offset=on(offsets), check_position_ids=False
+        )
+    )
+    for b, first_good in ((0, 1), (1, 3)):
+        assert np.isnan(got[b, :, :first_good]).all()
+        ids = np.arange(first_good, 4)[None, :] + offsets[b].astype(np.int64)
+        want = float32_contract(x[b : b + 1, :, first_good:], cos, sin, ids)
+        assert_bitwise_equal(got[b : b + 1, :, first_good:], want)
+    assert np.isnan(got[2]).all()
+    by_int = off(
+        numba_rope.rotary_embedding(
+            on(x[:1]), on(cos), on(sin), position_offset=-1, check_position_ids=False
+        )
+    )
+    assert_bitwise_equal(by_int, got[:1])
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("value", [I64_MAX, -1, -(2**63)])
 def test_int64_edge_offsets_and_ids_are_refused(rng, device, value):
     on, _ = device

@@ -124,12 +124,19 @@ def _row_by_position_id(positions, b, s, n_rows):
 
 @cuda.jit(device=True, inline="always")
 def _row_by_offsets(positions, b, s, n_rows):
-    # A uint64 offset above 2**63 is negative in int64: invalid before s is added
-    # (else a wrapped offset plus s could land on a valid row); an int64 offset near
-    # 2**63 is compared with the rows left, never added to s.
-    offset = np.int64(positions[b])
-    if offset >= 0 and offset < n_rows - s:  # compared before adding: no overflow
-        return offset + s
+    # Token s of entry b takes row offset + s, as with position ids offset + arange:
+    # unchecked, only the tokens whose row is outside the caches get NaN rows. An int64
+    # offset near 2**63 is compared with the rows left, never added to s (no overflow).
+    # A uint64 offset above 2**63 is negative in int64 but no negative number: invalid
+    # for every token (a wrapped offset plus s could land on a valid row). ``value <
+    # value - value`` tells the two apart: a comparison in the offsets' own type (numba
+    # compares a uint64 with 0 through float64), always false for unsigned ones.
+    value = positions[b]
+    offset = np.int64(value)
+    if offset >= 0:
+        return offset + s if offset < n_rows - s else np.int64(-1)
+    if value < value - value:  # a negative offset: rows from offset + s >= 0 on
+        return _valid_row(offset + s, n_rows)
     return np.int64(-1)
 
 
@@ -174,7 +181,8 @@ if SIMULATOR:
 
     @cuda.jit(device=True, inline="always")
     def _mul32(a, b):
-        return a * b
+        with np.errstate(invalid="ignore"):  # a signaling NaN times the sign: NaN
+            return a * b
 
     _mul64 = _mul32
     _rotate_exact32 = _rotate_exact64 = rotate_pair
