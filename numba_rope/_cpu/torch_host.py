@@ -15,10 +15,11 @@ written: a tensor that records autograd, reverse or forward mode, or one inside 
 ``torch.func`` transform (:mod:`numba_rope._autograd`; use :mod:`numba_rope.torch`),
 an ``out`` with torch's negative or conjugate bit (an input with one is resolved, a
 copy), a nested tensor or a layout other than strided, a dtype NumPy cannot hold.
-A dead ``torch.func`` wrapper (a tensor saved under a transform that has returned,
-as ``torch.func.vjp``'s function reads them) is read as the tensor it stands for. An ``out`` tensor written
-through its view has its autograd version counter bumped, as an in-place torch
-operation would, so a graph that saved it refuses to run backward on stale values.
+A dead ``torch.func`` wrapper (a tensor saved under a transform that has returned, as
+``torch.func.vjp``'s function reads them) is read as the tensor it stands for. An
+``out`` tensor written through its view has its autograd version counter bumped, as an
+in-place torch operation would, so a graph that saved it refuses to run backward on
+stale values.
 
 torch is imported by these functions only, which run for a caller who passed a
 tensor: it is already imported then.
