@@ -29,6 +29,13 @@ from numba_rope import config
 from numba_rope._cpu import backend as cpu_backend
 from numba_rope._cpu import helper, relay
 from numba_rope._cpu.kernels import DONE
+from numba_rope._jit import thread_count
+
+#: For tests of calls that go to the helper: on one numba thread (NUMBA_NUM_THREADS=1,
+#: or a machine of one CPU) no call does (``helper.usable``).
+TWO_THREADS = pytest.mark.skipif(
+    thread_count() < 2, reason="one numba thread: no call goes to the helper"
+)
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BFLOAT16]
 RUNNER = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64)
@@ -91,6 +98,7 @@ RELAYED_CASES = [pytest.param(*case.values, False, id=f"out-{case.id}") for case
 ]
 
 
+@TWO_THREADS
 @pytest.mark.parametrize(("dtype", "positions", "in_place"), RELAYED_CASES)
 def test_relayed_calls_give_the_contract_bits(rng, relay_always, dtype, positions, in_place):
     x, cos, sin, kwargs = _case(rng, dtype, positions)
@@ -112,6 +120,7 @@ def test_relayed_calls_give_the_contract_bits(rng, relay_always, dtype, position
     assert len(relay_always) >= 2  # the job protocol ran, on the general path and on plans
 
 
+@TWO_THREADS
 def test_strided_rows_and_layouts_are_relayed_too(rng, relay_always):
     x, cos, sin, ids = make_case(rng, (2, 6, 3, 32), np.float32, n_positions=16)
     columns = np.ascontiguousarray(x.transpose(0, 2, 1, 3))[..., ::2]  # BSHD, strided rows
@@ -222,6 +231,7 @@ def test_after_missed_jobs_calls_run_alone_and_probe_twice_in_a_row(rng):
         assert block[relay.GENERATION] == before + 1
 
 
+@TWO_THREADS
 def test_the_helper_takes_chunks_and_the_bits_do_not_change(rng, monkeypatch):
     # Timing decides which chunks the helper takes; with it spinning between calls it
     # takes some within a few calls on any machine with a second core (10 s at most).
@@ -499,7 +509,7 @@ def test_a_forked_child_starts_a_helper_of_its_own_and_both_exit_cleanly():
     check()
     print("ok")
     """)
-    result = _python("import os\n" + script)
+    result = _python("import os\n" + script, NUMBA_NUM_THREADS="2")
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
@@ -546,6 +556,7 @@ def test_a_relayed_call_checks_positions_before_anything_is_written(rng, relay_a
         assert (out == 7.0).all()
 
 
+@TWO_THREADS
 def test_without_a_futex_the_helper_sleeps_in_steps_and_still_joins(rng, monkeypatch):
     # macOS and Windows have no futex: the helper sleeps in growing steps (usleep,
     # Sleep) and joins the calls that find it awake. Forced here with SYSCALL = 0.

@@ -1172,7 +1172,9 @@ def test_signatures_sharing_a_key_alternated_keep_a_compiled_plan_each(
         for cos, sin, ids in signatures:
             got = numba_rope.rotary_embedding(x, cos, sin, ids)
             assert_bitwise_equal(got, float32_contract(x, cos, sin, ids))
-    assert len(cpu_backend.FAST) == 1
+    # (one numba thread: large calls run serially, unplanned: no compiled plan at all)
+    planned = size == "small" or numba.get_num_threads() > 1
+    assert len(cpu_backend.FAST) == int(planned)
     assert fast_runs["one"] == (_large_plans_counted(6) if size == "large" else [6, 0])
 
 

@@ -148,6 +148,10 @@ def _broadcast_caches(batch, seq_len, half, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_scattered_caches_of_a_large_call(rng, monkeypatch, parallel_always, dtype):
+    from numba_rope._jit import thread_count
+
+    if thread_count() < 2:
+        pytest.skip("one numba thread: large calls run serially, in untiled caches")
     # Large calls (here: all, parallel_always) rotate such caches where they lie, in
     # tiles whose rows span at most config.CACHE_SPAN_BYTES of each cache: here rows 3
     # rows apart (a batch of 3) and a span of 3.5 such steps, so tiles of 3 tokens, and
