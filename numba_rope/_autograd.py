@@ -78,10 +78,16 @@ def unwrapped_if_dead(tensor: Any) -> Any:
     unwrap = getattr(torch._C._functorch, "unwrap_if_dead", None)
     if unwrap is None:
         return tensor
-    inner = unwrap(tensor)
-    while inner is not tensor:
-        tensor, inner = inner, unwrap(inner)
+    for _ in range(_MOST_LEVELS):  # (bounded: never a loop on a torch that would
+        inner = unwrap(tensor)  # hand back a new object for the same tensor)
+        if inner is tensor:
+            break
+        tensor = inner
     return tensor
+
+
+#: Nested transforms unwrapped at most (far more than any program nests).
+_MOST_LEVELS = 64
 
 
 def transformed(tensor: Any) -> bool:

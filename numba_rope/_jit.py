@@ -154,12 +154,12 @@ def apart(work: Callable[[], _T], module: str) -> _T:
     collection of the cycles (a cold cache with the collector off, in
     ``tests/test_robustness.py``; in a running program, until the collector passes over
     the generation they reached, and a pooled output's buffer was not reused
-    meanwhile). On a thread of its own the compilation's frames
-    hold only types. Run here instead where the new thread would wait for this one: a
-    compilation nested in one this thread is running (which holds numba's compiler
-    lock), or of a function whose module is being imported (a C callback compiled as
-    its module runs: numba's lowering imports the module, whose import lock this
-    thread holds); and where no thread can be started (at interpreter shutdown)."""
+    meanwhile). On a thread of its own the compilation's frames hold only types. Run
+    here instead where the new thread would wait for this one: a compilation nested in
+    one this thread is running (which holds numba's compiler lock), or of a function
+    whose module is being imported (a C callback compiled as its module runs: numba's
+    lowering imports the module, whose import lock this thread holds); and where no
+    thread can be started (at interpreter shutdown)."""
     spec = getattr(sys.modules.get(module), "__spec__", None)
     if global_compiler_lock.is_locked() or getattr(spec, "_initializing", False):
         return work()
