@@ -901,6 +901,9 @@ def test_batched_gradients_of_the_older_vmap(rng):
     assert torch.autograd.gradcheck(rope, (q_t,), check_batched_grad=True)
     jacobian = torch.autograd.functional.jacobian(rope, q_t.detach(), vectorize=True)
     matrix = jacobian.numpy().reshape(x.size, x.size)
+    # Each row holds one pair's cos and +-sin (float64): the diagonal is cos**2 + sin**2,
+    # 1 within a few units of 2**-53 however BLAS sums (FMA or not), the rest 0 or c*s -
+    # s*c, so 1e-14 holds on every CPU.
     np.testing.assert_allclose(matrix @ matrix.T, np.eye(x.size), rtol=0, atol=1e-14)
 
 
