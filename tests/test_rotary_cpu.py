@@ -705,6 +705,57 @@ def test_float16_halves_two_steps_at_a_time(rng, head_size, rotary_dim):
         assert_bitwise_equal(work, want)
 
 
+@pytest.mark.parametrize("cache_dtype", [np.float16, np.float32], ids=["float16", "float32"])
+def test_float16_products_fused_only_where_exact(rng, cache_dtype):
+    # float16 rows rotated by float16 caches fuse each product with the sum on CPUs with
+    # FMA (numba_rope._cpu.vector._Stream.rotate): a product of two float16 values is
+    # exact in float32, so the fused step rounds the same sum once. The premise, for
+    # every finite float16 value times cache values at the extremes and with every
+    # significand bit set: the float32 product equals the float64 one.
+    values = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    values = values[np.isfinite(values)]  # 63,488 values, both zeros included
+    extremes = np.array(
+        [65504, -65504, 2**-24, -(2**-24), 2**-14, 1 - 2**-11, -(1 - 2**-11), 0.0, -0.0],
+        dtype=np.float16,
+    )
+    factors = np.concatenate([extremes, rng.uniform(-1, 1, 55).astype(np.float16)])
+    wide = values.astype(np.float32)[:, None]
+    assert np.array_equal(
+        (wide * factors.astype(np.float32)).astype(np.float64),
+        wide.astype(np.float64) * factors.astype(np.float64),
+    )
+    # The kernels, on every finite float16 value: decode steps (cache rows widened once
+    # per token), head by head, tokens by heads, interleaved, the inverse. With float32
+    # caches of full significands, whose products are not exact, a fused step would
+    # round once where the contract rounds twice: those take no FMA, and every bit
+    # checked here would show one.
+    x_rows = values[: 496 * 128].reshape(496, 128)
+    cos = rng.uniform(-1, 1, (40, 64)).astype(cache_dtype)
+    sin = rng.uniform(-1, 1, (40, 64)).astype(cache_dtype)
+    cos[0, :9], sin[1, :9] = extremes, extremes[::-1]
+    if cache_dtype == np.float32:  # every significand bit in use
+        assert np.any(cos.view(np.uint32) & 1) and np.any(sin.view(np.uint32) & 1)
+    for shape, layout in (
+        ((31, 16, 1, 128), "bhsd"),
+        ((1, 16, 31, 128), "bhsd"),
+        ((1, 31, 16, 128), "bshd"),
+    ):
+        x = x_rows.reshape(shape)
+        tokens = shape[2] if layout == "bhsd" else shape[1]
+        ids = rng.integers(0, 40, (shape[0], tokens))
+        ids[0, 0], ids[-1, -1] = 0, 1
+        for interleaved, inverse in ((False, False), (True, False), (False, True)):
+            options = {"interleaved": interleaved, "inverse": inverse, "layout": layout}
+            want = numba_rope.reference.rotary_embedding(
+                x, cos, -sin if inverse else sin, ids, precision="contract",
+                interleaved=interleaved, layout=layout,
+            )  # fmt: skip
+            assert_bitwise_equal(numba_rope.rotary_embedding(x, cos, sin, ids, **options), want)
+            work = x.copy()
+            numba_rope.rotary_embedding(work, cos, sin, ids, out=work, **options)
+            assert_bitwise_equal(work, want)
+
+
 def _vector_steps(interleaved, words, streaming):
     """A function of a row running the vector steps alone, with these options as the
     compile-time constants the kernels give them and the row length as a value."""

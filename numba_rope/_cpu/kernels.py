@@ -27,6 +27,7 @@ from numba_rope._cpu.vector import (
     BFLOAT16_TYPE,
     STREAM_ALIGNMENT,
     STREAM_START_ALIGNMENT,
+    float16_values,
     pair_rows,
     prefetch_rows,
     prefetch_span,
@@ -354,6 +355,9 @@ def _token_cache_rows_overload(cos_row, sin_row, scratch, interleaved, words):
         return None  # numba asks again with the constants as literals
     halves = words.literal_value and not interleaved.literal_value
     widen_row = widen_word_halves if halves else widen_span
+    # Widened float16 rows are typed as such: their products with float16 rows are
+    # exact, which the vector steps use (numba_rope._cpu.vector.float16_values).
+    typed = float16_values if cos_row.dtype == types.uint16 else row
 
     def impl(cos_row, sin_row, scratch, interleaved, words):
         half = cos_row.shape[0]
@@ -365,7 +369,7 @@ def _token_cache_rows_overload(cos_row, sin_row, scratch, interleaved, words):
             i = np.uint64(pair)
             cos_wide[i] = widen(cos_row[i])
             sin_wide[i] = widen(sin_row[i])
-        return cos_wide, sin_wide
+        return typed(scratch, 0, half), typed(scratch, 4 * half, half)
 
     return impl
 
