@@ -798,8 +798,8 @@ def _check_vector_steps(rng, dtype, words, interleaved, streaming, duplicated):
     # to 48 bytes, and by 4 (part of an interleaved pair: as on a line); streaming
     # stores need the output and its second half on 16 bytes: halves of 8 pairs there.
     # Interleaved rows of float32 and float16 also with cache rows that hold each value
-    # twice (``duplicated``: what token-major kernels give them, see
-    # kernels.duplicates_pairs), the pairs then rotated as they lie.
+    # twice, the sin rows' first negated (``duplicated``: what token-major kernels give
+    # them, see kernels.duplicates_pairs), the pairs then rotated as they lie.
     from numba_rope._aligned import empty_on_line
     from numba_rope._cpu.backend import storage_dtype
     from numba_rope._cpu.vector import CONSTANT_HALVES
@@ -825,10 +825,12 @@ def _check_vector_steps(rng, dtype, words, interleaved, streaming, duplicated):
         out[:] = x if in_place else 0
         source = out if in_place else x
         cos_row, sin_row = view(cos[0, 0]), view(sin[0, 0])
-        if duplicated:  # float32 rows of (half, 2), each value twice (token-major rows)
+        if duplicated:  # float32 rows of (half, 2), each value twice (token-major rows),
+            # the sin row's first negated (kernels._token_cache_rows)
             cos_row, sin_row = (
                 np.repeat(r.astype(np.float32), 2).reshape(half, 2) for r in (cos[0, 0], sin[0, 0])
             )
+            sin_row[:, 0] = -sin_row[:, 0]
         done = steps(view(source), cos_row, sin_row, view(out), half)
         lead = -offset % 64
         lines = not words and (dtype == np.float32 or streaming)

@@ -27,6 +27,7 @@ from numba_rope._cpu.vector import (
     BFLOAT16_TYPE,
     STREAM_ALIGNMENT,
     STREAM_START_ALIGNMENT,
+    float16_value_pairs,
     float16_values,
     pair_rows,
     prefetch_rows,
@@ -168,15 +169,16 @@ def rotate_row(x_row, cos_row, sin_row, out_row, interleaved, rotary_dim, sign, 
 
 
 def _pair_cache(cache_row, i):  # pragma: no cover - see overload
-    """The cache value of pair ``i``: ``cache_row[i]``, or ``cache_row[i, 0]`` of a row
-    of duplicated values (:func:`_token_cache_rows`)."""
+    """The cache value of pair ``i``: ``cache_row[i]``, or ``cache_row[i, 1]`` of a row
+    of duplicated values (:func:`_token_cache_rows`; the sin rows hold ``-sin`` in
+    column 0)."""
     raise NotImplementedError
 
 
 @overload(_pair_cache, inline="always")
 def _pair_cache_overload(cache_row, i):
     if cache_row.ndim == 2:
-        return lambda cache_row, i: cache_row[i, np.uint64(0)]
+        return lambda cache_row, i: cache_row[i, np.uint64(1)]
     return lambda cache_row, i: cache_row[i]
 
 
@@ -284,10 +286,11 @@ def duplicates_pairs(x, cache, interleaved, words) -> bool:
 
     The vector step of such rows (:func:`numba_rope._cpu.vector.vector_pairs`) then
     multiplies the pairs as they lie by the cos row, and the pairs swapped within
-    themselves (one in-lane shuffle) by the sin row, and takes the difference in even
-    lanes and the sum in odd ones: where it split each vector of pairs into firsts and
-    seconds and merged them back (eight shuffles per 16 elements on AVX2, two of them
-    across 128-bit lanes). The same operations on the same operands, so the same bits."""
+    themselves (one in-lane shuffle) by the sin row, whose even lanes hold ``-sin``,
+    and adds the two: where it split each vector of pairs into firsts and seconds and
+    merged them back (eight shuffles per 16 elements on AVX2, two of them across
+    128-bit lanes). The same operations on the same operands, so the same bits (see
+    :meth:`numba_rope._cpu.vector._Stream.rotate_in_pairs`)."""
     return (
         interleaved
         and not words
@@ -321,7 +324,7 @@ def _no_scratch(x, cache, half, interleaved, words):
 def _token_cache_rows(cos_row, sin_row, scratch, interleaved, words):  # pragma: no cover
     """The cache rows a token's heads rotate by: ``cos_row`` and ``sin_row`` as they
     are, or in ``scratch`` (see :func:`_cache_scratch`): each value twice, widened
-    (``(half, 2)`` rows), or widened, in the order the non-interleaved bfloat16 word
+    (``(half, 2)`` rows; the sin row's first of each two negated), or widened, in the order the non-interleaved bfloat16 word
     loop reads them (:func:`widen_word_halves`) for those, else in their own order,
     and past the vector steps in their own order. Widening is exact, so the bits are
     those of the rows themselves."""
@@ -332,22 +335,26 @@ def _token_cache_rows(cos_row, sin_row, scratch, interleaved, words):  # pragma:
 def _token_cache_rows_overload(cos_row, sin_row, scratch, interleaved, words):
     if isinstance(scratch, types.NoneType):
         return lambda cos_row, sin_row, scratch, interleaved, words: (cos_row, sin_row)
+    # Widened float16 rows are typed as such: their products with float16 rows are
+    # exact, which the vector steps use (numba_rope._cpu.vector.float16_values).
+    float16 = cos_row.dtype == types.uint16
     if scratch.ndim == 3:
+        typed_pairs = float16_value_pairs if float16 else pair_rows
 
         def duplicated(cos_row, sin_row, scratch, interleaved, words):
             half = cos_row.shape[0]
             cos_pairs = pair_rows(scratch, 0, half)
             sin_pairs = pair_rows(scratch, 8 * half, half)
             first, second = np.uint64(0), np.uint64(1)
-            widen_pairs(cos_row, cos_pairs, half)
-            for pair in range(widen_pairs(sin_row, sin_pairs, half), half):
+            widen_pairs(cos_row, cos_pairs, half, False)
+            for pair in range(widen_pairs(sin_row, sin_pairs, half, True), half):
                 i = np.uint64(pair)
                 cos_value, sin_value = widen(cos_row[i]), widen(sin_row[i])
                 cos_pairs[i, first] = cos_value
                 cos_pairs[i, second] = cos_value
-                sin_pairs[i, first] = sin_value
+                sin_pairs[i, first] = -sin_value
                 sin_pairs[i, second] = sin_value
-            return cos_pairs, sin_pairs
+            return typed_pairs(scratch, 0, half), typed_pairs(scratch, 8 * half, half)
 
         return duplicated
     flags = (interleaved, words)
@@ -355,9 +362,7 @@ def _token_cache_rows_overload(cos_row, sin_row, scratch, interleaved, words):
         return None  # numba asks again with the constants as literals
     halves = words.literal_value and not interleaved.literal_value
     widen_row = widen_word_halves if halves else widen_span
-    # Widened float16 rows are typed as such: their products with float16 rows are
-    # exact, which the vector steps use (numba_rope._cpu.vector.float16_values).
-    typed = float16_values if cos_row.dtype == types.uint16 else row
+    typed = float16_values if float16 else row
 
     def impl(cos_row, sin_row, scratch, interleaved, words):
         half = cos_row.shape[0]

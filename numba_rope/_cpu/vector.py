@@ -86,8 +86,10 @@ def row(typingctx, array, byte_offset, length):
     return row_type(array, byte_offset, length), _view_code(row_type, pairs=False)
 
 
-#: The type of :func:`float16_values`: a read-only float32 row, which no other view is.
+#: The types of :func:`float16_values` and :func:`float16_value_pairs`: read-only float32
+#: rows, which no other view is.
 FLOAT16_VALUES = types.Array(types.float32, 1, "C", readonly=True)
+FLOAT16_VALUE_PAIRS = types.Array(types.float32, 2, "C", readonly=True)
 
 
 @intrinsic
@@ -101,15 +103,25 @@ def float16_values(typingctx, array, byte_offset, length):
     return FLOAT16_VALUES(array, byte_offset, length), _view_code(FLOAT16_VALUES, pairs=False)
 
 
+@intrinsic
+def float16_value_pairs(typingctx, array, byte_offset, length):
+    """:func:`pair_rows` of widened float16 values, typed :data:`FLOAT16_VALUE_PAIRS`
+    (see :func:`float16_values`)."""
+    if array != types.Array(types.float32, array.ndim, "C"):
+        return None
+    view_type = FLOAT16_VALUE_PAIRS
+    return view_type(array, byte_offset, length), _view_code(view_type, pairs=True)
+
+
 def _exact_products(x_row, cos_row) -> bool:
     """Whether the products of elements of ``x_row`` and of cache rows ``cos_row`` (numba
     types) are exact in float32: both hold float16 values (11 significant bits and
     magnitudes of 2**-24 to 65504 each, so a product has 22 bits and lies far inside
-    float32's range), as float16 storage or as :data:`FLOAT16_VALUES`. Then a product
-    plus the other rounds the same exact sum once, fused (:meth:`_Stream.rotate`) or
-    not: the same bits."""
+    float32's range), as float16 storage or as :data:`FLOAT16_VALUES` or
+    :data:`FLOAT16_VALUE_PAIRS`. Then a product plus the other rounds the same exact
+    sum once, fused (:meth:`_Stream.rotate`) or not: the same bits."""
     return x_row.dtype == types.uint16 and (
-        cos_row.dtype == types.uint16 or cos_row == FLOAT16_VALUES
+        cos_row.dtype == types.uint16 or cos_row in (FLOAT16_VALUES, FLOAT16_VALUE_PAIRS)
     )
 
 
@@ -474,23 +486,36 @@ class _Stream:
         pairs.add_incoming(done, on_block)
         return pairs
 
-    def rotate_in_pairs(self, pairs, cos, sin, sign):
-        """``rotate_pair`` on a vector of interleaved pairs as they lie, ``cos`` and
-        ``sin`` holding each pair's value twice: ``pairs * cos`` minus (even lanes) or
-        plus (odd lanes) ``swapped * sin``, ``swapped`` the pairs with their elements
-        exchanged. Lane ``2i``: ``x1*cos - x2*sin``, lane ``2i + 1``: ``x2*cos +
-        x1*sin``: the operations and operands of :meth:`rotate`, so its bits; the
-        subtraction and the addition merged by one shuffle, which x86 targets fuse
-        into ``vaddsubps``."""
+    def rotate_in_pairs(self, pairs, cos, sin, sign, exact_products=False):
+        """``rotate_pair`` on a vector of interleaved pairs as they lie, ``cos``
+        holding each pair's value twice and ``sin`` its value negated then as it is
+        (:func:`widen_pairs` with ``negated``): ``pairs * cos`` plus ``swapped * sin``,
+        ``swapped`` the pairs with their elements exchanged. Lane ``2i``: ``x1*cos +
+        x2*(-sin)``, which is ``x1*cos - x2*sin`` (IEEE 754 defines ``a - b`` as ``a +
+        (-b)``, and a product's sign is its factors'), lane ``2i + 1``: ``x2*cos +
+        x1*sin``: the operations and operands of :meth:`rotate`, so its bits, in one
+        product, one product and one sum per vector (on AVX-512, which has no
+        ``vaddsubps``, a difference, a sum and a blend had taken two more). With
+        ``exact_products`` (see :meth:`rotate`) the product of the pairs is fused with
+        the sum: an interleaved float16 decode step (64, 32, 1, 128) 0.90-0.96x the
+        time of the difference, sum and blend, a bshd (4, 256, 8, 128) 0.92-0.94x;
+        float32 0.99-1.01x (the Emerald Rapids VM, one-process A/B;
+        docs/performance.md, "Forty-third session")."""
         builder = self.builder
         lanes = pairs.type.count
         sin = builder.fmul(sin, self.splat(sign, lanes))
         swapped = self.shuffle(pairs, pairs, [lane ^ 1 for lane in range(lanes)])
-        direct, crossed = builder.fmul(pairs, cos), builder.fmul(swapped, sin)
-        return self.shuffle(
-            builder.fsub(direct, crossed),
-            builder.fadd(direct, crossed),
-            [lane if lane % 2 == 0 else lanes + lane for lane in range(lanes)],
+        crossed = builder.fmul(swapped, sin)
+        if exact_products:
+            return builder.call(self.fused(pairs.type), [pairs, cos, crossed])
+        return builder.fadd(builder.fmul(pairs, cos), crossed)
+
+    def fused(self, vector_type):
+        """``llvm.fmuladd`` of float32 vectors of ``vector_type``: ``a * b + c``, fused
+        into one FMA where the target has it (for exact products only: :meth:`rotate`)."""
+        return self.builder.module.declare_intrinsic(
+            f"llvm.fmuladd.v{vector_type.count}f32",
+            fnty=ir.FunctionType(vector_type, [vector_type] * 3),
         )
 
     def rotate(self, x1, x2, cos, sin, sign, exact_products=False):
@@ -506,10 +531,7 @@ class _Stream:
         builder = self.builder
         sin = builder.fmul(sin, self.splat(sign, x1.type.count))
         if exact_products:
-            fused = builder.module.declare_intrinsic(
-                f"llvm.fmuladd.v{x1.type.count}f32",
-                fnty=ir.FunctionType(x1.type, [x1.type] * 3),
-            )
+            fused = self.fused(x1.type)
             return (
                 builder.call(fused, [x1, cos, builder.fneg(builder.fmul(x2, sin))]),
                 builder.call(fused, [x2, cos, builder.fmul(x1, sin)]),
@@ -689,7 +711,9 @@ def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, hal
 
         def rotated(element, pairs, cos_lanes, sin_lanes, lanes):
             if duplicated:
-                return stream.rotate_in_pairs(pairs, cos_lanes, sin_lanes, sign)
+                return stream.rotate_in_pairs(
+                    pairs, cos_lanes, sin_lanes, sign, _exact_products(*signature.args[:2])
+                )
             y1, y2 = stream.rotate(
                 stream.shuffle(pairs, pairs, _firsts(lanes)),
                 stream.shuffle(pairs, pairs, _seconds(lanes)),
@@ -936,7 +960,7 @@ def vector_pairs(
     return types.intp(*rows, interleaved, words, streaming), codegen
 
 
-def _widening(source, wide, length, sources, halves, doubled=False):
+def _widening(source, wide, length, sources, halves, doubled=False, negated=False):
     """Typing and code of :func:`widen_span` (``halves`` False), :func:`widen_word_halves`
     (True) and :func:`widen_pairs` (``doubled``: ``wide`` of ``(length, 2)``): contiguous
     rows, ``source`` of a storage type in ``sources``, ``wide`` of float32."""
@@ -972,6 +996,9 @@ def _widening(source, wide, length, sources, halves, doubled=False):
         def doubled_step(index, lanes):
             value = stream.load(source_row, index, source_type, lanes)
             doubled = stream.shuffle(value, value, [lane // 2 for lane in range(2 * lanes)])
+            if negated:  # -value in the even lanes: a sign flip, exact
+                even = [lane + (2 * lanes if lane % 2 else 0) for lane in range(2 * lanes)]
+                doubled = stream.shuffle(builder.fneg(doubled), doubled, even)
             store(doubled, builder.add(index, index), 2 * lanes)
 
         if halves:
@@ -1011,14 +1038,29 @@ def widen_word_halves(typingctx, source, wide, length):
 
 
 @intrinsic
-def widen_pairs(typingctx, source, pairs, length):
+def widen_pairs(typingctx, source, pairs, length, negated):
     """Widen elements ``[0, n)`` of a contiguous cache row of float32, float16 or
     bfloat16 storage into the ``(length, 2)`` float32 rows ``pairs``, each value twice
-    (``pairs[i, 0] == pairs[i, 1]``, see :func:`pair_rows`), and return ``n``,
-    ``length`` rounded down to a multiple of 8: steps of :data:`VECTOR_WIDTHS`
-    elements, each vector widened and its lanes doubled by one shuffle. Widening is
-    exact: the bits of :func:`~numba_rope._conversions.widen`."""
-    return _widening(source, pairs, length, _STREAM_TYPES, halves=False, doubled=True)
+    (``pairs[i, 0] == pairs[i, 1]``, see :func:`pair_rows`; with the constant
+    ``negated``, ``pairs[i, 0] == -pairs[i, 1]``: the sin rows of
+    :meth:`_Stream.rotate_in_pairs`), and return ``n``, ``length`` rounded down to a
+    multiple of 8: steps of :data:`VECTOR_WIDTHS` elements, each vector widened and
+    its lanes doubled by one shuffle. Widening and negation are exact: the bits of
+    :func:`~numba_rope._conversions.widen`."""
+    if _flag(negated) is None:
+        return None
+    typed = _widening(
+        source,
+        pairs,
+        length,
+        _STREAM_TYPES,
+        halves=False,
+        doubled=True,
+        negated=negated.literal_value,
+    )
+    if typed is None:
+        return None
+    return types.intp(source, pairs, length, negated), typed[1]
 
 
 def _emit_prefetch(
