@@ -324,10 +324,12 @@ def _no_scratch(x, cache, half, interleaved, words):
 def _token_cache_rows(cos_row, sin_row, scratch, interleaved, words):  # pragma: no cover
     """The cache rows a token's heads rotate by: ``cos_row`` and ``sin_row`` as they
     are, or in ``scratch`` (see :func:`_cache_scratch`): each value twice, widened
-    (``(half, 2)`` rows; the sin row's first of each two negated), or widened, in the order the non-interleaved bfloat16 word
-    loop reads them (:func:`widen_word_halves`) for those, else in their own order,
-    and past the vector steps in their own order. Widening is exact, so the bits are
-    those of the rows themselves."""
+    (``(half, 2)`` rows, the sin row's first of each two negated), or widened, in the
+    order the non-interleaved bfloat16 word loop reads them (:func:`widen_word_halves`)
+    for those, else in their own order, and past the vector steps in their own order.
+    Widening and negation are exact, so the bits are those of the rows themselves.
+    Rows widened from float16 are typed :data:`~numba_rope._cpu.vector.FLOAT16_VALUES`
+    (or ``FLOAT16_VALUE_PAIRS``): their products with float16 rows are exact."""
     raise NotImplementedError
 
 
@@ -335,9 +337,7 @@ def _token_cache_rows(cos_row, sin_row, scratch, interleaved, words):  # pragma:
 def _token_cache_rows_overload(cos_row, sin_row, scratch, interleaved, words):
     if isinstance(scratch, types.NoneType):
         return lambda cos_row, sin_row, scratch, interleaved, words: (cos_row, sin_row)
-    # Widened float16 rows are typed as such: their products with float16 rows are
-    # exact, which the vector steps use (numba_rope._cpu.vector.float16_values).
-    float16 = cos_row.dtype == types.uint16
+    float16 = cos_row.dtype == types.uint16  # (see FLOAT16_VALUES above)
     if scratch.ndim == 3:
         typed_pairs = float16_value_pairs if float16 else pair_rows
 

@@ -493,9 +493,10 @@ class _Stream:
         ``swapped`` the pairs with their elements exchanged. Lane ``2i``: ``x1*cos +
         x2*(-sin)``, which is ``x1*cos - x2*sin`` (IEEE 754 defines ``a - b`` as ``a +
         (-b)``, and a product's sign is its factors'), lane ``2i + 1``: ``x2*cos +
-        x1*sin``: the operations and operands of :meth:`rotate`, so its bits, in one
-        product, one product and one sum per vector (on AVX-512, which has no
-        ``vaddsubps``, a difference, a sum and a blend had taken two more). With
+        x1*sin``: the operations and operands of :meth:`rotate`, so its bits, in two
+        products and one sum per vector (a difference, a sum and a merge had stood
+        there: ``vaddsubps`` on AVX2; on AVX-512, which has no 512-bit ``vaddsubps``,
+        a subtraction, an addition and a blend). With
         ``exact_products`` (see :meth:`rotate`) the product of the pairs is fused with
         the sum: an interleaved float16 decode step (64, 32, 1, 128) 0.90-0.96x the
         time of the difference, sum and blend, a bshd (4, 256, 8, 128) 0.92-0.94x;
