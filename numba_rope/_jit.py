@@ -16,7 +16,9 @@ whether this process may run parallel regions, and whether the JIT compiler is o
   whose results are the same bits. numba's ``workqueue`` and ``tbb`` layers start
   afresh in a forked child and keep their threads.
 * The on-disk cache of every such function is stale when any source file of the
-  package changes (:func:`keyed_on_package_sources`), not only the function's own.
+  package changes (:func:`keyed_on_package_sources`), not only the function's own;
+  and what other versions of the package left for it is deleted when it is saved
+  (:func:`forget_other_versions`).
 * ``NUMBA_DISABLE_JIT=1`` turns ``@njit`` functions into plain Python, in which the
   rotation kernels cannot run (they are built from numba intrinsics and overloads):
   :func:`require_jit` raises a clear error instead.
@@ -42,6 +44,8 @@ import functools
 import hashlib
 import os
 import pathlib
+import pickle
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -337,6 +341,7 @@ def _index_locked(compiled: Any) -> bool:
     def save_locked(key: Any, data: Any) -> None:
         with index_lock(compiled):
             save(key, data)
+        forget_other_versions(cache_file)
 
     def load_locked(key: Any) -> Any:
         with index_lock(compiled):
@@ -344,6 +349,62 @@ def _index_locked(compiled: Any) -> bool:
 
     cache_file.save, cache_file.load = save_locked, load_locked
     return True
+
+
+#: The name of a cache index file: ``<module>.<qualname>-<line>.<python tag>.nbi``.
+_INDEX_NAME = re.compile(r"(?P<function>.+)-(?P<line>\d+)\.(?P<tag>[^.]+)\.nbi")
+
+
+def forget_other_versions(cache_file: Any) -> list[str]:
+    """Delete the cache files that other versions of the package left for the function
+    of ``cache_file`` (a numba cache file of :func:`keyed_on_package_sources`), and
+    return their names. numba names a function's cache files after the line it starts
+    on, and reads only the files of its current line: whenever a change moved the
+    function, its machine code of before stayed on disk for good (in a development
+    checkout, 113 MB in ``_cpu/__pycache__`` after a few days; after an upgrade, the
+    version before's). Called after each save (a compilation, which takes far longer
+    than this): the index files of the same function at other lines whose stamp names
+    other sources of the package go, with their data files. Index files of this
+    version (another function of the same name), of another numba version, or that
+    cannot be read stay, as does anything that cannot be deleted."""
+    name = _INDEX_NAME.fullmatch(getattr(cache_file, "_index_name", ""))
+    stamp = getattr(cache_file, "_source_stamp", None)
+    if name is None or not isinstance(stamp, tuple) or len(stamp) != 2:
+        return []  # pragma: no cover - another numba, or not keyed on the sources
+    directory = cache_file._cache_path
+    function, tag = re.escape(name["function"]), re.escape(name["tag"])
+    index_pattern = re.compile(rf"{function}-(\d+)\.{tag}\.nbi")
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    deleted = []
+    for other in names:
+        match = index_pattern.fullmatch(other)
+        if match is None or match[1] == name["line"]:
+            continue
+        if not _saved_by_other_sources(os.path.join(directory, other), stamp[1]):
+            continue
+        data_pattern = re.compile(rf"{function}-{match[1]}\.{tag}\.\d+\.nbc")
+        for stale in [other, *filter(data_pattern.fullmatch, names)]:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(directory, stale))
+                deleted.append(stale)
+    return deleted
+
+
+def _saved_by_other_sources(index_path: str, sources: bytes) -> bool:
+    """Whether the cache index at ``index_path`` was saved by this numba for other
+    sources of the package than ``sources`` (:func:`package_sources`): its stamp is
+    not (numba's stamp, ``sources``). False where it cannot be read."""
+    try:
+        with open(index_path, "rb") as index:
+            if pickle.load(index) != numba.__version__:
+                return False  # another numba's: not ours to judge
+            stamp, _ = pickle.loads(index.read())
+    except Exception:  # unreadable (being written, truncated, not a pickle): kept
+        return False
+    return not (isinstance(stamp, tuple) and len(stamp) == 2 and stamp[1] == sources)
 
 
 # -- parallel regions after fork -----------------------------------------------------------

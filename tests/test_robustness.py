@@ -432,6 +432,52 @@ def test_a_c_callback_saves_to_its_cache_index_by_one_process_at_a_time(shared_m
     assert again.split() == ["1", "4.0"]
 
 
+def test_a_save_deletes_the_cache_files_other_versions_left(shared_module, tmp_path):
+    """numba names a function's cache files after its line and never reads those of
+    another line again: each change that moved a function left its machine code on
+    disk for good. A save deletes the files of the same function at other lines that
+    other sources of the package saved; those of this version, of another numba, and
+    unreadable ones stay."""
+    import pickle
+    import re
+
+    import numba
+
+    module, folder = shared_module
+    cache_file = module.add._cache._cache_file
+    directory = Path(cache_file._cache_path)
+    base = re.fullmatch(r"(.+)-(\d+)\.([^.]+)\.nbi", cache_file._index_name)
+    assert base is not None, cache_file._index_name
+    function, line, tag = base[1], int(base[2]), base[3]
+    ours = cache_file._source_stamp
+
+    def plant(name, at, stamp, version=numba.__version__):
+        index = directory / f"{name}-{at}.{tag}.nbi"
+        with open(index, "wb") as file:
+            pickle.dump(version, file, protocol=-1)
+            file.write(pickle.dumps((stamp, {}), protocol=-1))
+        data = [directory / f"{name}-{at}.{tag}.{n}.nbc" for n in (1, 2)]
+        for path in data:
+            path.write_bytes(b"machine code")
+        return [index, *data]
+
+    directory.mkdir(parents=True, exist_ok=True)
+    stale = plant(function, line + 40, (ours[0], b"other sources of the package"))
+    stale += plant(function, line + 41, (1.0, 456))  # a version before the sources' key
+    kept = plant(function, line + 42, ours)  # this version's (another function's)
+    kept += plant(function, line + 43, (1.0, b"x"), version="0.0.1")  # another numba's
+    kept += plant(f"{function}_other", line + 40, (1.0, b"x"))  # another function's
+    garbled = directory / f"{function}-{line + 44}.{tag}.nbi"
+    garbled.write_bytes(b"not a pickle")
+    assert module.add(1.0, 2.0) == 3.0  # compiled and saved
+    assert [path.name for path in stale if path.exists()] == []
+    assert [path.name for path in [*kept, garbled] if not path.exists()] == []
+    own = directory / cache_file._index_name
+    assert own.exists() and (directory / f"{function}-{line}.{tag}.1.nbc").stat().st_size > 0
+    again = _start_sharing_child(folder, tmp_path)
+    assert _child_result(again)[:2] == [1, 0]  # its own entry loads
+
+
 def test_a_cache_lock_that_cannot_be_taken_leaves_the_cache_as_numba_has_it(tmp_path):
     """Where no lock file can be made, the locked block still runs (unlocked)."""
     from numba_rope._jit import cache_lock
