@@ -218,7 +218,7 @@ def _script_for(cpu, features, cache, script, *arguments):
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 targets")
 @pytest.mark.parametrize("cpu", TARGETS, ids=lambda cpu: cpu.replace(":", " ")[:28])
-def test_kernels_compiled_for_other_x86_cpus_contain_no_fma(tmp_path, cpu):
+def test_kernels_compiled_for_other_x86_cpus_fuse_only_exact_products(tmp_path, cpu):
     name, _, features = cpu.partition(":")
     done = _script_for(name, features, tmp_path, SINCOS + SCRIPT)
     if done.returncode and "is not a recognized processor" in done.stderr:
@@ -499,7 +499,7 @@ def test_kernels_compile_for_64_bit_arm_with_the_contract(tmp_path):
     print(report)
     for variant, counts in report.items():
         # Fused only where the products are exact (float16 rows and caches: see
-        # test_kernels_compiled_for_other_x86_cpus_contain_no_fma).
+        # test_kernels_compiled_for_other_x86_cpus_fuse_only_exact_products).
         fused = variant.startswith("float16 float16 caches")
         assert (counts["fma"] > 0) == fused, f"aarch64 {variant}: {counts['fma']} FMA"
         assert counts["float16 calls"] == 0, f"aarch64 {variant}: float16 by a library call"
