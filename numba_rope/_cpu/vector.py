@@ -500,8 +500,9 @@ class _Stream:
         ``exact_products`` (see :meth:`rotate`) the product of the pairs is fused with
         the sum: an interleaved float16 decode step (64, 32, 1, 128) 0.90-0.96x the
         time of the difference, sum and blend, a bshd (4, 256, 8, 128) 0.92-0.94x;
-        float32 0.99-1.01x (the Emerald Rapids VM, one-process A/B;
-        docs/performance.md, "Forty-third session")."""
+        float32 0.99-1.01x; 16-bit elements with float32 caches (not fused) 0.90-0.96x
+        (the Emerald Rapids VM, one-process A/B; docs/performance.md, "Forty-third
+        session")."""
         builder = self.builder
         lanes = pairs.type.count
         sin = builder.fmul(sin, self.splat(sign, lanes))
