@@ -366,7 +366,8 @@ def forget_other_versions(cache_file: Any) -> list[str]:
     than this): the index files of the same function at other lines whose stamp names
     other sources of the package go, with their data files. Index files of this
     version (another function of the same name), of another numba version, or that
-    cannot be read stay, as does anything that cannot be deleted."""
+    cannot be read stay, as does anything that cannot be deleted. POSIX only, with the
+    index lock (:func:`_index_locked`, whose save calls it)."""
     name = _INDEX_NAME.fullmatch(getattr(cache_file, "_index_name", ""))
     stamp = getattr(cache_file, "_source_stamp", None)
     if name is None or not isinstance(stamp, tuple) or len(stamp) != 2:
