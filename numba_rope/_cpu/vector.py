@@ -92,25 +92,29 @@ FLOAT16_VALUES = types.Array(types.float32, 1, "C", readonly=True)
 FLOAT16_VALUE_PAIRS = types.Array(types.float32, 2, "C", readonly=True)
 
 
+def _float16_view_typing(array, byte_offset, length, pairs):
+    """Typing and code of :func:`float16_values` (``pairs`` False) and
+    :func:`float16_value_pairs`: views over a contiguous float32 array."""
+    if array != types.Array(types.float32, array.ndim, "C"):
+        return None
+    view_type = FLOAT16_VALUE_PAIRS if pairs else FLOAT16_VALUES
+    return view_type(array, byte_offset, length), _view_code(view_type, pairs)
+
+
 @intrinsic
 def float16_values(typingctx, array, byte_offset, length):
     """:func:`row` of a float32 array whose elements are widened float16 values, typed
     :data:`FLOAT16_VALUES` to say so: the vector steps then fuse the products of such
     cache rows with float16 rows (:func:`_exact_products`). Read-only, as the rows
     rotated by are."""
-    if array != types.Array(types.float32, array.ndim, "C"):
-        return None
-    return FLOAT16_VALUES(array, byte_offset, length), _view_code(FLOAT16_VALUES, pairs=False)
+    return _float16_view_typing(array, byte_offset, length, pairs=False)
 
 
 @intrinsic
 def float16_value_pairs(typingctx, array, byte_offset, length):
     """:func:`pair_rows` of widened float16 values, typed :data:`FLOAT16_VALUE_PAIRS`
     (see :func:`float16_values`)."""
-    if array != types.Array(types.float32, array.ndim, "C"):
-        return None
-    view_type = FLOAT16_VALUE_PAIRS
-    return view_type(array, byte_offset, length), _view_code(view_type, pairs=True)
+    return _float16_view_typing(array, byte_offset, length, pairs=True)
 
 
 def _exact_products(x_row, cos_row) -> bool:
