@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import numba
 import numpy as np
 import pytest
 from oracles import BFLOAT16, assert_bitwise_equal, float32_contract, make_case
@@ -367,3 +368,32 @@ def test_vector_steps_with_ordinary_stores_give_the_contract_bits(
             assert_bitwise_equal(
                 back, float32_contract(out, caches[0], -caches[1], ids, interleaved, rotary_dim)
             )
+
+
+@pytest.mark.parametrize("storage", [np.float32, np.uint16, np.int16])
+def test_stream_copy_of_channels_from_any_16_bytes(storage):
+    # The copy of the channels past rotary_dim (vector.stream_copy) starts where a row's
+    # rotated pairs end, on 16 bytes: from the first element on a 64-byte line, with
+    # steps of 16 and 32 bytes before it and after the last whole step (see
+    # _Stream.off_line), where it starts off a line by 16 to 48 bytes and copies a
+    # line's elements or more; from its start otherwise. It copies every element up to
+    # what it returns (the largest multiple of 8, or of 16 bytes off a line, up to the
+    # end) and none past it.
+    from numba_rope._cpu.vector import stream_copy
+
+    @numba.njit
+    def copy(x_row, out_row, start, end):
+        return stream_copy(x_row, out_row, start, end, True)
+
+    itemsize = np.dtype(storage).itemsize
+    per_line = 64 // itemsize
+    for count, offset in itertools.product(range(4, 104, 4), (0, 16, 32, 48)):
+        start = 2 * per_line  # the rotated pairs' part of the row
+        x = np.arange(1, start + count + 1).astype(storage)
+        out = empty_on_line(x.shape, np.dtype(storage), offset=offset)
+        out[:] = 0
+        done = copy(x, out, start, start + count)
+        off = offset and count >= max(16, per_line)
+        assert done == start + (count - count % (16 // itemsize) if off else count - count % 8)
+        assert_bitwise_equal(out[start:done], x[start:done])
+        assert not out[:start].any() and not out[done:].any()

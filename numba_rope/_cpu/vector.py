@@ -17,6 +17,7 @@ operation and no contraction: a vector step gives the bits of the element loop.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numba
 from llvmlite import ir
@@ -433,7 +434,7 @@ class _Stream:
             body(index, lanes)
         return stop
 
-    def off_line(self, out, half, pair_bytes, steps, step):
+    def off_line(self, out, half, pair_bytes, steps, step, halves=None):
         """``steps(start, length)`` (the vector loops over ``length`` pairs from
         ``start``, returning where they stop) over a row of ``half`` pairs whose
         output starts off a 64-byte line by a multiple of 16 bytes: from the first pair
@@ -458,6 +459,21 @@ class _Stream:
         slower streaming, 1.2-1.5x in a decode step, which also loses the constant
         row lengths of :func:`_by_half`) nor float16 rows with ordinary stores
         (bound by F16C's conversions: 1.0-1.1x).
+
+        ``halves``: for streaming rows of non-interleaved pairs, two steps that store
+        only the pairs' first elements and only their second ones. The line where the
+        first half of the row ends is also where its second half starts, and the
+        line where the second half ends is where the next row (or the channels past
+        ``rotary_dim``) starts. The pairs after the last whole line of the first half
+        are then rotated twice: before the loops, their first elements stored, so that
+        the first line's two parts are written one right after the other; after the
+        loops, their second elements, just before the next row's first part. A line
+        whose non-temporal parts are stored apart from each other is written to memory
+        part by part: a float32 prefill (1, 32, 4096, 128) into an output 16 bytes past
+        a line took 3.1-3.2 ms against 2.1 on a line, 2.2-2.3 with the halves apart,
+        float16 1.5-1.7 against 1.4 (one process, docs/performance.md, "Forty-fourth
+        session"). The second step reads its pairs again: an output that is not its
+        input, as streaming ones are (see :func:`numba_rope._cpu.backend.streaming`).
         """
         builder = self.builder
         zero = ir.Constant(self.intp, 0)
@@ -479,8 +495,16 @@ class _Stream:
             with off_line:
                 lead = builder.udiv(lead_bytes, ir.Constant(self.intp, pair_bytes))
                 self.steps(zero, lead, step, widths=narrow)
-                loops = steps(lead, builder.sub(half, lead))
-                edges = self.steps(loops, builder.sub(half, loops), step, widths=narrow)
+                if halves is not None:
+                    line = ir.Constant(self.intp, -(64 // pair_bytes))
+                    lines_end = builder.add(lead, builder.and_(builder.sub(half, lead), line))
+                    rest = builder.sub(half, lines_end)
+                    self.steps(lines_end, rest, halves[0], widths=narrow)
+                    steps(lead, builder.sub(lines_end, lead))
+                    edges = self.steps(lines_end, rest, halves[1], widths=narrow)
+                else:
+                    loops = steps(lead, builder.sub(half, lead))
+                    edges = self.steps(loops, builder.sub(half, loops), step, widths=narrow)
                 off_block = builder.block
             with on_line:
                 done = steps(zero, half)
@@ -650,12 +674,22 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
 
         def steps(start, length):
             if x_type == types.uint16:
+                end = builder.add(start, length)
                 start = stream.double_steps(start, length, two_steps)
-                length = builder.sub(half, start)
+                length = builder.sub(end, start)
             return stream.steps(start, length, step, widths=widths)
 
+        def first_half_step(first, lanes):
+            _, (y1, _) = rotated(first, lanes)
+            stream.store(y1, out, first, x_type, lanes, nontemporal)
+
+        def second_half_step(first, lanes):
+            second, (_, y2) = rotated(first, lanes)
+            stream.store(y2, out, second, x_type, lanes, nontemporal)
+
         if off_line:
-            return stream.off_line(out, half, x_type.bitwidth // 8, steps, step)
+            halves = (first_half_step, second_half_step) if nontemporal else None
+            return stream.off_line(out, half, x_type.bitwidth // 8, steps, step, halves)
         return steps(ir.Constant(stream.intp, 0), half)
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
@@ -1162,10 +1196,16 @@ def store_fence(typingctx):
 @intrinsic(prefer_literal=True)
 def stream_copy(typingctx, x_row, out_row, start, end, streaming):
     """With ``streaming`` (a constant): copy elements ``[start, m)`` of a row with
-    non-temporal stores, ``m - start`` the largest multiple of 8 up
-    to ``end``, and return ``m`` (the channels past ``rotary_dim``; element ``start``
-    of the output must be on :data:`STREAM_ALIGNMENT` bytes). Without: return
-    ``start``, copying nothing."""
+    non-temporal stores, ``m - start`` the largest multiple of 8 up to ``end`` (of 16
+    bytes where element ``start`` of the output is off a 64-byte line), and return
+    ``m`` (the channels past ``rotary_dim``; element ``start`` of the output must be on
+    :data:`STREAM_ALIGNMENT` bytes). Without: return ``start``, copying nothing.
+
+    From the first element on a line, as the rotated pairs (:meth:`_Stream.off_line`):
+    each 64-byte store off a line was split into four of 16 bytes, and the float32
+    ``partial`` workload (1, 32, 4096, 128) with rotary_dim 64 into an output 16 bytes
+    past a line took 2.3-2.4 ms against 1.9 on a line; 1.9 so (one process,
+    docs/performance.md, "Forty-fourth session")."""
     if not (isinstance(x_row, types.Array) and x_row.dtype == getattr(out_row, "dtype", None)):
         return None
     if _flag(streaming) is None:
@@ -1183,10 +1223,23 @@ def stream_copy(typingctx, x_row, out_row, start, end, streaming):
         end = context.cast(builder, args[3], signature.args[3], types.intp)
         stream = _Stream(context, builder)
 
-        def step(index, lanes):
+        def step(index, lanes):  # index from start
+            index = builder.add(start, index)
             loaded = builder.load(stream.pointer(x, index, lanes), align=1)
             stream.nontemporal_store(loaded, stream.pointer(out, index, lanes))
 
-        return stream.steps(start, builder.sub(end, start), step)
+        def steps(first, length):
+            return stream.steps(first, length, step)
+
+        region = _Region(builder.gep(out.data, [start]))
+        item_bytes = signature.args[1].dtype.bitwidth // 8
+        copied = stream.off_line(region, builder.sub(end, start), item_bytes, steps, step)
+        return builder.add(start, copied)
 
     return signature, codegen
+
+
+class _Region(NamedTuple):
+    """The part of a row that :meth:`_Stream.off_line` reads: where it starts."""
+
+    data: ir.Value
