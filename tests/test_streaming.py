@@ -213,19 +213,26 @@ def test_streamed_16_bit_rows_with_float32_caches_off_a_line(rng, stream_always,
     # stay in registers for the non-temporal store (test_targets.py checks the code).
     # float16 outputs 16 and 48 bytes past a line; bfloat16 ones, which stream only
     # from a line (vector.STREAM_START_ALIGNMENT), on one, with rows of 288 bytes:
-    # every other row 32 bytes past a line.
-    for dtype, head_size, offset in (
-        (np.float16, 128, 16),
-        (np.float16, 128, 48),
-        (BFLOAT16, 144, 0),
+    # every other row 32 bytes past a line; with 128 of them rotated, halves of two
+    # whole lines (vector._Stream.shifted_lines), float16 too.
+    for dtype, head_size, rotary_dim, offset in (
+        (np.float16, 128, 128, 16),
+        (np.float16, 128, 128, 48),
+        (BFLOAT16, 144, 144, 0),
+        (BFLOAT16, 144, 128, 0),
+        (np.float16, 144, 128, 0),
     ):
         shape = (2, 3, 5, head_size)
-        x, cos, sin, ids = make_case(rng, shape, dtype, cache_dtype=np.float32)
-        want = float32_contract(x, cos, sin, ids, interleaved)
+        x, cos, sin, ids = make_case(
+            rng, shape, dtype, rotary_dim=rotary_dim, cache_dtype=np.float32
+        )
+        want = float32_contract(x, cos, sin, ids, interleaved, rotary_dim)
         out = aligned(shape, dtype, offset)
-        numba_rope.rotary_embedding(x, cos, sin, ids, out=out, interleaved=interleaved)
+        numba_rope.rotary_embedding(
+            x, cos, sin, ids, out=out, interleaved=interleaved, rotary_embedding_dim=rotary_dim
+        )
         assert_bitwise_equal(out, want)
-    assert len(stream_always) == 3
+    assert len(stream_always) == 5
     assert all(_streamed(stream_always))
 
 
