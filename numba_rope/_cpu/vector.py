@@ -455,7 +455,7 @@ class _Stream:
         prefill, batch prefill, prefill_3d) and 0.80-0.96x (float16), one process,
         old and new code on the same outputs ("Nineteenth session"). Every step
         reads its pairs before it stores them and no two steps share a pair: in
-        place too. Not for the bfloat16 words (:func:`_word_pairs_typing`: 1.0-1.1x
+        place too, but with ``halves`` (below). Not for the bfloat16 words (:func:`_word_pairs_typing`: 1.0-1.1x
         slower streaming, 1.2-1.5x in a decode step, which also loses the constant
         row lengths of :func:`_by_half`) nor float16 rows with ordinary stores
         (bound by F16C's conversions: 1.0-1.1x).
@@ -521,7 +521,7 @@ class _Stream:
         ``j``-th line's worth of pairs of the row as it lies in the input (as on a
         line) and returns its two halves' output, 64 bytes each (``<16 x i32>``); each
         is shifted into the output's lines by one shuffle with its neighbour
-        (``valignd`` on AVX-512), and every line the row covers alone is written by one
+        (``valignq`` on AVX-512), and every line the row covers alone is written by one
         store: the first half's last line with the second half's first, held from the
         row's first step. Only the lines shared with the rows before and after take
         two stores, one at the start of the row and one at its end, next to the
@@ -529,9 +529,11 @@ class _Stream:
         pairs done), :meth:`off_line`.
 
         The pairs then take the same steps as on a line: float16 rows with steps of 16
-        and 32 bytes over the edges (:meth:`off_line`) took 1.4x the time of a row on
-        a line, bound by the conversions of their narrower steps ("Forty-fourth
-        session"). The same arithmetic per pair: the same bits."""
+        and 32 bytes over the edges (:meth:`off_line`) took 1.3-1.4x the time of a row
+        on a line, bound by the conversions of their narrower steps; so 1.07-1.27x
+        (large calls, one process, docs/performance.md, "Forty-fourth session"), the
+        shuffles taking the port that those conversions bound. float32 1.02-1.10x. The
+        same arithmetic per pair: the same bits."""
         builder = self.builder
         intp = self.intp
         zero = ir.Constant(intp, 0)
@@ -1337,7 +1339,8 @@ def store_fence(typingctx):
 def stream_copy(typingctx, x_row, out_row, start, end, streaming):
     """With ``streaming`` (a constant): copy elements ``[start, m)`` of a row with
     non-temporal stores, ``m - start`` the largest multiple of 8 up to ``end`` (of 16
-    bytes where element ``start`` of the output is off a 64-byte line), and return
+    bytes where element ``start`` of the output is off a 64-byte line and a line's
+    elements or more are copied), and return
     ``m`` (the channels past ``rotary_dim``; element ``start`` of the output must be on
     :data:`STREAM_ALIGNMENT` bytes). Without: return ``start``, copying nothing.
 
