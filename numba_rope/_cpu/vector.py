@@ -17,7 +17,6 @@ operation and no contraction: a vector step gives the bits of the element loop.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import numba
 from llvmlite import ir
@@ -337,6 +336,15 @@ class _Stream:
             ]
         return pieces[0]
 
+    def narrow_joined(self, first, second, lanes, numba_type, nontemporal):
+        """Two vectors narrowed to ``numba_type`` each (:meth:`narrow`), joined by the
+        shuffle ``lanes``."""
+        return self.shuffle(
+            self.narrow(first, numba_type, nontemporal),
+            self.narrow(second, numba_type, nontemporal),
+            lanes,
+        )
+
     def store_joined(self, first, second, lanes, array, index, numba_type, nontemporal):
         """Two vectors narrowed to ``numba_type`` each, joined by the shuffle ``lanes``
         and stored as one at ``index`` (see :meth:`store`). For float16, whose
@@ -346,11 +354,7 @@ class _Stream:
         alone did not keep the conversions in registers: on AVX2 targets LLVM split
         the joined store and folded each half back into a conversion to memory, which
         :meth:`narrow`'s statement now prevents."""
-        joined = self.shuffle(
-            self.narrow(first, numba_type, nontemporal),
-            self.narrow(second, numba_type, nontemporal),
-            lanes,
-        )
+        joined = self.narrow_joined(first, second, lanes, numba_type, nontemporal)
         self.put(joined, array, index, len(lanes), numba_type, nontemporal)
 
     def put(self, vector, array, index, lanes, numba_type, nontemporal):
@@ -434,10 +438,15 @@ class _Stream:
             body(index, lanes)
         return stop
 
-    def off_line(self, out, half, pair_bytes, steps, step, halves=None):
+    def bytes_before_line(self, data):
+        """The bytes from the pointer ``data`` to the next 64-byte line (0 on one)."""
+        address = self.builder.ptrtoint(data, self.intp)
+        return self.builder.and_(self.builder.neg(address), ir.Constant(self.intp, 63))
+
+    def off_line(self, data, half, pair_bytes, steps, step, halves=None):
         """``steps(start, length)`` (the vector loops over ``length`` pairs from
         ``start``, returning where they stop) over a row of ``half`` pairs whose
-        output starts off a 64-byte line by a multiple of 16 bytes: from the first pair
+        output (from the pointer ``data``) starts off a 64-byte line by a multiple of 16 bytes: from the first pair
         on a line, with narrower steps (``step(pair, lanes)``, 16 or 32 bytes of
         output each) over the pairs before it and over those the loops leave, none of
         whose stores spans two lines. Returns the pairs done: ``half`` rounded down to
@@ -455,10 +464,10 @@ class _Stream:
         prefill, batch prefill, prefill_3d) and 0.80-0.96x (float16), one process,
         old and new code on the same outputs ("Nineteenth session"). Every step
         reads its pairs before it stores them and no two steps share a pair: in
-        place too, but with ``halves`` (below). Not for the bfloat16 words (:func:`_word_pairs_typing`: 1.0-1.1x
-        slower streaming, 1.2-1.5x in a decode step, which also loses the constant
-        row lengths of :func:`_by_half`) nor float16 rows with ordinary stores
-        (bound by F16C's conversions: 1.0-1.1x).
+        place too, but with ``halves`` (below). Not for the bfloat16 words
+        (:func:`_word_pairs_typing`: 1.0-1.1x slower streaming, 1.2-1.5x in a decode
+        step, which also loses the constant row lengths of :func:`_by_half`) nor
+        float16 rows with ordinary stores (bound by F16C's conversions: 1.0-1.1x).
 
         ``halves``: for streaming rows of non-interleaved pairs, two steps that store
         only the pairs' first elements and only their second ones. The line where the
@@ -477,9 +486,7 @@ class _Stream:
         """
         builder = self.builder
         zero = ir.Constant(self.intp, 0)
-        lead_bytes = builder.and_(
-            builder.neg(builder.ptrtoint(out.data, self.intp)), ir.Constant(self.intp, 63)
-        )
+        lead_bytes = self.bytes_before_line(data)
         sixteens = builder.icmp_unsigned(
             "==", builder.and_(lead_bytes, ir.Constant(self.intp, 15)), zero
         )
@@ -514,9 +521,9 @@ class _Stream:
         pairs.add_incoming(done, on_block)
         return pairs
 
-    def shifted_lines(self, out, half, pair_bytes, line, otherwise):
+    def shifted_lines(self, data, half, pair_bytes, line, otherwise):
         """The vector steps of a streaming row of ``half`` non-interleaved pairs whose
-        output starts off a 64-byte line by 16, 32 or 48 bytes and whose halves are
+        output (from the pointer ``data``) starts off a 64-byte line by 16, 32 or 48 bytes and whose halves are
         whole lines (``half`` a multiple of a line's pairs): ``line(j)`` rotates the
         ``j``-th line's worth of pairs of the row as it lies in the input (as on a
         line) and returns its two halves' output, 64 bytes each (``<16 x i32>``); each
@@ -538,9 +545,7 @@ class _Stream:
         intp = self.intp
         zero = ir.Constant(intp, 0)
         line_pairs = 64 // pair_bytes
-        lead_bytes = builder.and_(
-            builder.neg(builder.ptrtoint(out.data, intp)), ir.Constant(intp, 63)
-        )
+        lead_bytes = self.bytes_before_line(data)
         whole_lines = builder.icmp_unsigned(
             "==", builder.and_(half, ir.Constant(intp, line_pairs - 1)), zero
         )
@@ -559,7 +564,7 @@ class _Stream:
                     block = builder.append_basic_block(f"shifted.{lead}")
                     switch.add_case(ir.Constant(intp, lead), block)
                     builder.position_at_end(block)
-                    self._shifted_row(out, half, line_pairs, line, lead)
+                    self._shifted_row(data, half, line_pairs, line, lead)
                     builder.branch(switch_end)
                 builder.position_at_end(default)
                 builder.unreachable()
@@ -572,14 +577,14 @@ class _Stream:
             pairs.add_incoming(value, block)
         return pairs
 
-    def _shifted_row(self, out, half, line_pairs, line, lead):
+    def _shifted_row(self, data, half, line_pairs, line, lead):
         """:meth:`shifted_lines` for an output ``lead`` bytes before its first line."""
         builder = self.builder
         intp = self.intp
         words = ir.VectorType(_LANE, 16)
         k = lead // 4  # words of the first step in the row's first (shared) line
         shift = list(range(k, k + 16))
-        base = builder.bitcast(out.data, ir.IntType(8).as_pointer())
+        base = builder.bitcast(data, ir.IntType(8).as_pointer())
         half_bytes = builder.mul(half, ir.Constant(intp, 64 // line_pairs))
 
         def store(vector, byte_offset, align=STREAM_ALIGNMENT):
@@ -721,7 +726,8 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     """Typing of a :func:`vector_pairs` step: rotate the first ``n`` pairs of a row of
     ``half`` non-interleaved pairs, ``n`` = ``half`` rounded down to a multiple of
     8 (to 16 bytes of output for float32 rows, and streaming ones, whose output starts
-    off a 64-byte line: :meth:`_Stream.off_line`; ``half`` itself for float16 rows with
+    off a 64-byte line: :meth:`_Stream.off_line`, or streaming rows whose halves are
+    whole lines, :meth:`_Stream.shifted_lines`; ``half`` itself for float16 rows with
     ordinary stores), and return ``n``; steps of :data:`VECTOR_WIDTHS` pairs, then
     for float16 rows with ordinary stores :data:`PAIR_TAIL_WIDTHS`. float16 rows go two
     of the widest steps at a time first, each half of the row narrowed for both steps
@@ -798,11 +804,7 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
                 _, (y1, y2) = rotated(first, 16)
                 _, (z1, z2) = rotated(builder.add(first, ir.Constant(stream.intp, 16)), 16)
                 outputs = [
-                    stream.shuffle(
-                        stream.narrow(a, x_type, nontemporal),
-                        stream.narrow(b, x_type, nontemporal),
-                        list(range(32)),
-                    )
+                    stream.narrow_joined(a, b, list(range(32)), x_type, nontemporal)
                     for a, b in ((y1, z1), (y2, z2))
                 ]
             return [builder.bitcast(o, ir.VectorType(_LANE, 16)) for o in outputs]
@@ -827,11 +829,11 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
             halves = (first_half_step, second_half_step) if nontemporal else None
 
             def otherwise():
-                return stream.off_line(out, half, pair_bytes, steps, step, halves)
+                return stream.off_line(out.data, half, pair_bytes, steps, step, halves)
 
             if not nontemporal:
                 return otherwise()
-            return stream.shifted_lines(out, half, pair_bytes, line, otherwise)
+            return stream.shifted_lines(out.data, half, pair_bytes, line, otherwise)
         return steps(ir.Constant(stream.intp, 0), half)
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
@@ -927,7 +929,7 @@ def _stream_interleaved_pairs(nontemporal, x_row, cos_row, sin_row, out_row, hal
             return stream.steps(start, builder.sub(half, start), step, widths=widths)
 
         if off_line:
-            return stream.off_line(out, half, x_type.bitwidth // 4, steps, step)
+            return stream.off_line(out.data, half, x_type.bitwidth // 4, steps, step)
         return steps(ir.Constant(stream.intp, 0), half)
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
@@ -1374,15 +1376,10 @@ def stream_copy(typingctx, x_row, out_row, start, end, streaming):
         def steps(first, length):
             return stream.steps(first, length, step)
 
-        region = _Region(builder.gep(out.data, [start]))
         item_bytes = signature.args[1].dtype.bitwidth // 8
-        copied = stream.off_line(region, builder.sub(end, start), item_bytes, steps, step)
+        copied = stream.off_line(
+            builder.gep(out.data, [start]), builder.sub(end, start), item_bytes, steps, step
+        )
         return builder.add(start, copied)
 
     return signature, codegen
-
-
-class _Region(NamedTuple):
-    """The part of a row that :meth:`_Stream.off_line` reads: where it starts."""
-
-    data: ir.Value
