@@ -101,10 +101,20 @@ def test_streamed_rows_give_the_contract_bits(
     _check_streamed_rows(rng, stream_always, dtype, head_size, rotary_dim, interleaved)
 
 
-def _streams_from(out):
-    # Whether an output starts where it may stream (vector.STREAM_START_ALIGNMENT).
-    start = 64 if out.dtype == BFLOAT16 else cpu_vector.STREAM_ALIGNMENT
-    return out.ctypes.data % start == 0
+def _bfloat16_from_a_line(rotary_dim, interleaved):
+    # Whether bfloat16 outputs stream from a 64-byte line only (backend.stream_start):
+    # rows of non-interleaved pairs, but those whose halves are whole lines where the
+    # word steps fill a line (AVX-512 targets, vector.words_fill_lines).
+    whole_lines = (rotary_dim // 2 * 2) % 64 == 0
+    return not interleaved and not (whole_lines and cpu_vector.words_fill_lines())
+
+
+def _streams_from(out, rotary_dim, interleaved):
+    # Whether an output starts where it may stream: from a line (see above), or from
+    # 16 bytes.
+    if out.dtype == BFLOAT16 and _bfloat16_from_a_line(rotary_dim, interleaved):
+        return out.ctypes.data % 64 == 0
+    return out.ctypes.data % cpu_vector.STREAM_ALIGNMENT == 0
 
 
 def _check_streamed_rows(rng, requested, dtype, head_size, rotary_dim, interleaved, in_place=True):
@@ -124,14 +134,14 @@ def _check_streamed_rows(rng, requested, dtype, head_size, rotary_dim, interleav
     assert_bitwise_equal(out, want)
     allocated = numba_rope.rotary_embedding(x, cos, sin, ids, **options)
     assert_bitwise_equal(allocated, want)
-    # Small allocated outputs lie where NumPy puts them: bfloat16 ones streamed from a
-    # line only (vector.STREAM_START_ALIGNMENT).
-    expected = [streams, streams and _streams_from(allocated)]
+    # Small allocated outputs lie where NumPy puts them: some bfloat16 ones streamed
+    # from a line only (backend.stream_start).
+    expected = [streams, streams and _streams_from(allocated, rotary_dim, interleaved)]
     if dtype == np.float32 and head_size == 128:  # the sign is one code for all dtypes
         inverse = numba_rope.rotary_embedding(out, cos, sin, ids, inverse=True, **options)
         want_inverse = float32_contract(out, cos, -sin, ids, interleaved, rotary_dim)
         assert_bitwise_equal(inverse, want_inverse)
-        expected.append(streams and _streams_from(inverse))
+        expected.append(streams and _streams_from(inverse, rotary_dim, interleaved))
     if in_place:
         work = aligned(shape, dtype)
         work[...] = x
@@ -167,20 +177,24 @@ def test_streamed_rows_in_the_parallel_kernels(rng, monkeypatch, stream_always, 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("dtype", STREAMED, ids=[d.name for d in STREAMED])
 def test_streamed_outputs_off_a_line_give_the_contract_bits(rng, stream_always, dtype, interleaved):
-    # Rows off a 64-byte line: streamed float32 and float16 rows start their loops on
-    # the line, with steps of 16 and 32 bytes over the edges (vector._Stream.off_line);
-    # bfloat16 words, and the copy of the channels past rotary_dim, keep their steps.
-    # Rows of 64 and 88 pairs (176 channels: a 16-bit second half off its first half's
-    # line; rows of 704 and 352 bytes, every other one or three in four off a line
-    # from an output on one), of 40 and 32 with channels past rotary_dim (24 and 64 of
-    # them); one tensor and q+k. An output whose first element is off a line (NumPy's
-    # large arrays start 16 bytes past one) streams but in bfloat16 (see
-    # vector.STREAM_START_ALIGNMENT), which takes ordinary stores, to the same bits.
+    # Rows off a 64-byte line: streamed rows start their loops on the line, with steps
+    # of 16 and 32 bytes over the edges (vector._Stream.off_line), and so does the copy
+    # of the channels past rotary_dim; rows of non-interleaved pairs whose halves are
+    # whole lines shift the steps of a row on a line into their lines
+    # (vector._Stream.shifted_lines). Rows of 64 and 88 pairs (176 channels: a 16-bit
+    # second half off its first half's line; rows of 704 and 352 bytes, every other one
+    # or three in four off a line from an output on one), of 40 and 32 with channels
+    # past rotary_dim (24 and 64 of them); one tensor and q+k. An output whose first
+    # element is off a line (NumPy's large arrays start 16 bytes past one) streams, but
+    # for bfloat16 rows of non-interleaved pairs whose halves are not whole lines (88
+    # and 40 pairs), or on targets without AVX-512 any (backend.stream_start), which
+    # take ordinary stores, to the same bits.
     expected = []
     for (head_size, rotary_dim), offset in itertools.product(
         [(128, 128), (176, 176), (104, 80), (128, 64)], (0, 16, 32, 48)
     ):
-        expected += [offset == 0 or dtype != BFLOAT16] * 2
+        from_a_line = dtype == BFLOAT16 and _bfloat16_from_a_line(rotary_dim, interleaved)
+        expected += [offset == 0 or not from_a_line] * 2
         shape = (2, 3, 5, head_size)
         x, cos, sin, ids = make_case(rng, shape, dtype, rotary_dim=rotary_dim)
         k = rng.standard_normal((2, 1, 5, head_size)).astype(dtype)
@@ -211,13 +225,17 @@ def test_streamed_16_bit_rows_with_float32_caches_off_a_line(rng, stream_always,
     # 16-bit rows with float32 caches take the element steps (bfloat16 too: words need
     # bfloat16 caches), whose edges off a line store 16 bytes; their bfloat16 results
     # stay in registers for the non-temporal store (test_targets.py checks the code).
-    # float16 outputs 16 and 48 bytes past a line; bfloat16 ones, which stream only
-    # from a line (vector.STREAM_START_ALIGNMENT), on one, with rows of 288 bytes:
-    # every other row 32 bytes past a line; with 128 of them rotated, halves of two
-    # whole lines (vector._Stream.shifted_lines), float16 too.
+    # float16 outputs 16 and 48 bytes past a line, bfloat16 ones too where they stream
+    # so (rows of 128 rotated: halves of two whole lines, vector._Stream.shifted_lines,
+    # without interleaving; on AVX-512 targets); bfloat16 ones of 144 rotated channels,
+    # which stream only from a line without interleaving (backend.stream_start), on
+    # one, with rows of 288 bytes: every other row 32 bytes past a line; with 128 of
+    # them rotated, halves of two whole lines, float16 too.
+    bfloat16_offsets = (0, 0) if _bfloat16_from_a_line(128, interleaved) else (16, 48)
     for dtype, head_size, rotary_dim, offset in (
         (np.float16, 128, 128, 16),
         (np.float16, 128, 128, 48),
+        *((BFLOAT16, 128, 128, offset) for offset in bfloat16_offsets),
         (BFLOAT16, 144, 144, 0),
         (BFLOAT16, 144, 128, 0),
         (np.float16, 144, 128, 0),
@@ -232,7 +250,7 @@ def test_streamed_16_bit_rows_with_float32_caches_off_a_line(rng, stream_always,
             x, cos, sin, ids, out=out, interleaved=interleaved, rotary_embedding_dim=rotary_dim
         )
         assert_bitwise_equal(out, want)
-    assert len(stream_always) == 5
+    assert len(stream_always) == 7
     assert all(_streamed(stream_always))
 
 
@@ -288,12 +306,20 @@ def test_what_streams(monkeypatch):
     assert cpu_backend.streaming(64, False, big[:, :2], inputs=(big[:, 2:],))
     assert not cpu_backend.streaming(2, False, big)  # second half 4 bytes in
     assert not cpu_backend.streaming(64, False, aligned((1, 4, 8, 64), np.float32, offset=4))
-    # The first element on a 64-byte line for bfloat16 (int16 storage), on 16 bytes for
-    # float32 and float16 (uint16): see vector.STREAM_START_ALIGNMENT.
+    # The first element on 16 bytes for float32 and float16 (uint16), and for bfloat16
+    # (int16 storage) rows of interleaved pairs, or whose halves are whole 64-byte lines
+    # (32 pairs: 64 bytes) where the word steps fill a line; other bfloat16 rows on a
+    # line (see backend.stream_start).
+    whole_lines = cpu_vector.words_fill_lines()
     for offset in (16, 32, 48):
         assert cpu_backend.streaming(64, False, aligned((1, 4, 8, 64), np.float32, offset=offset))
         assert not cpu_backend.streaming(
             80, False, aligned((1, 4, 16, 80), np.int16, offset=offset)
+        )
+        assert cpu_backend.streaming(80, True, aligned((1, 4, 16, 80), np.int16, offset=offset))
+        assert (
+            cpu_backend.streaming(64, False, aligned((1, 4, 16, 80), np.int16, offset=offset))
+            == whole_lines
         )
         assert cpu_backend.streaming(80, False, aligned((1, 4, 16, 80), np.uint16, offset=offset))
     assert cpu_backend.streaming(80, False, aligned((1, 4, 16, 80), np.int16))

@@ -46,6 +46,7 @@ from numba_rope._cpu.kernels import (
     PLAN_SIN,
     PLAN_SLOTS,
     PLAN_STREAM,
+    PLAN_STREAM_START,
     PLAN_THREADS,
     PLAN_TILE,
     PLAN_X,
@@ -69,6 +70,7 @@ from numba_rope._cpu.vector import (
     STREAM_COPY_ELEMENTS,
     STREAM_PAIRS,
     STREAM_START_ALIGNMENT,
+    words_fill_lines,
 )
 from numba_rope._geometry import (
     SWAP_HEADS_AND_TOKENS,
@@ -352,7 +354,9 @@ def streaming(rotary_dim: int, interleaved: bool, *outs, inputs: tuple = ()) -> 
     return (
         streamable_shapes(rotary_dim, interleaved, *outs)
         and not any(_same_elements(x, out) for x, out in zip(inputs, outs, strict=False))
-        and all(stream_aligned(out) for out in outs)
+        and all(
+            stream_aligned(out, stream_start(out.dtype, rotary_dim, interleaved)) for out in outs
+        )
     )
 
 
@@ -374,13 +378,32 @@ def streamable_shapes(rotary_dim: int, interleaved: bool, *outs) -> bool:
     return True
 
 
-def stream_aligned(out: np.ndarray) -> bool:
+def stream_start(dtype: np.dtype, rotary_dim: int, interleaved: bool) -> int:
+    """The bytes on which an output of this storage dtype must start to stream (see
+    :func:`stream_aligned`): ``STREAM_ALIGNMENT`` for float32, float16 and interleaved
+    bfloat16 rows, and for bfloat16 rows of non-interleaved pairs whose halves are
+    whole 64-byte lines on targets whose word steps fill a line
+    (:func:`~numba_rope._cpu.vector.words_fill_lines`): the steps of such rows off a
+    line start on it (:meth:`numba_rope._cpu.vector._Stream.off_line`,
+    :meth:`~numba_rope._cpu.vector._Stream.shifted_lines`). Other bfloat16 rows, whose
+    steps off a line would store across lines, ``STREAM_START_ALIGNMENT`` (a line; see
+    :data:`numba_rope._cpu.vector.STREAM_START_ALIGNMENT`).
+
+    >>> stream_start(BFLOAT16_STORAGE, 96, False), stream_start(BFLOAT16_STORAGE, 96, True)
+    (64, 16)
+    """
+    if dtype != BFLOAT16_STORAGE or interleaved:
+        return STREAM_ALIGNMENT
+    if (rotary_dim // 2 * dtype.itemsize) % 64 == 0 and words_fill_lines():
+        return STREAM_ALIGNMENT
+    return STREAM_START_ALIGNMENT
+
+
+def stream_aligned(out: np.ndarray, start: int) -> bool:
     """The part of :func:`streaming` that depends on where an output lies: its first
-    element on ``STREAM_START_ALIGNMENT`` bytes for bfloat16 storage (a 64-byte line,
-    see :data:`numba_rope._cpu.vector.STREAM_START_ALIGNMENT`), on ``STREAM_ALIGNMENT``
-    bytes for others, and its rows on ``STREAM_ALIGNMENT`` bytes (``kernels`` checks the
-    same for the calls of a compiled plan)."""
-    start = STREAM_START_ALIGNMENT if out.dtype == BFLOAT16_STORAGE else STREAM_ALIGNMENT
+    element on ``start`` bytes (:func:`stream_start`) and its rows on
+    ``STREAM_ALIGNMENT`` bytes (``kernels`` checks the same for the calls of a
+    compiled plan)."""
     if out.ctypes.data % start:
         return False
     return not any(stride % STREAM_ALIGNMENT for stride in out.strides[:-1])
@@ -892,6 +915,7 @@ def make_plan(
             if left == 1:
                 outs = tuple(o for _, o in pairs)
                 stream = 0  # no call of these shapes streams, or in place (never)
+                start = max(stream_start(o.dtype, rotary_dim, call.interleaved) for o in outs)
                 if not in_place and streamable_shapes(rotary_dim, call.interleaved, *outs):
                     stream = STREAM_ALIGNED if report["stream"] else STREAM_UNALIGNED
                 remember_fast(
@@ -899,7 +923,7 @@ def make_plan(
                     report["options"], rotary_dim, positions,
                     (x_view, k_view, cos, sin, out_view, out_k_view),
                     (to_bhsd, x_split, k_split), report["split"],
-                    (thread_count(), stream, report["caches"]),
+                    (thread_count(), stream, start, report["caches"]),
                 )  # fmt: skip
         return (out, out_k) if two else out
 
@@ -992,7 +1016,7 @@ def remember_fast(
     views: tuple,
     forms: tuple,
     split: tuple[int, int, int] | None = None,
-    large: tuple[int, int, int] | None = None,
+    large: tuple[int, int, int, int] | None = None,
 ) -> None:
     """Give the signature of a call that its Python plan has just run (rows
     contiguous) a compiled plan under ``key`` (:func:`fast_key`, which
@@ -1009,8 +1033,9 @@ def remember_fast(
     shared with the helper at each call where it is usable (see :func:`fast_call`).
 
     ``large``: for a call that ran in numba's parallel region (``split`` is then the
-    general path's), ``(threads, stream, caches)``: numba's thread count then, and
-    the plan's ``PLAN_STREAM`` and ``PLAN_CACHES`` (see ``kernels``); its calls run by
+    general path's), ``(threads, stream, start, caches)``: numba's thread count then,
+    and the plan's ``PLAN_STREAM``, ``PLAN_STREAM_START`` and ``PLAN_CACHES`` (see
+    ``kernels``); its calls run by
     ``kernels.planned_parallel``."""
     x_view, k_view, cos_view, sin_view, out_view, out_k_view = views
     to_bhsd, x_split, k_split = forms
@@ -1020,7 +1045,8 @@ def remember_fast(
     plan[PLAN_ROTARY_DIM] = rotary_dim
     plan[PLAN_TILE], plan[PLAN_GROUPS], plan[PLAN_CHUNKS] = split or (config.TOKENS_PER_TILE, 1, 1)
     if large is not None:
-        plan[PLAN_THREADS], plan[PLAN_STREAM], plan[PLAN_CACHES] = large
+        (plan[PLAN_THREADS], plan[PLAN_STREAM], plan[PLAN_STREAM_START],
+         plan[PLAN_CACHES]) = large  # fmt: skip
     for slot, array in (
         (PLAN_X, x_view), (PLAN_K, k_view), (PLAN_COS, cos_view), (PLAN_SIN, sin_view),
         (PLAN_POSITIONS, positions), (PLAN_OUT, out_view), (PLAN_OUT_K, out_k_view),

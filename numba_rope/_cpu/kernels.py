@@ -26,7 +26,6 @@ from numba_rope._cpu import relay
 from numba_rope._cpu.vector import (
     BFLOAT16_TYPE,
     STREAM_ALIGNMENT,
-    STREAM_START_ALIGNMENT,
     float16_value_pairs,
     float16_values,
     pair_rows,
@@ -972,12 +971,14 @@ PLAN_CHUNKS = PLAN_GROUPS + 1
 #: Of the plans of large calls (:func:`planned_parallel`; 0 in the others): numba's
 #: thread count for this thread when the plan was made (the split is made for it),
 #: whether the outputs are streamed (:data:`STREAM_ALIGNED`, :data:`STREAM_UNALIGNED`,
-#: or 0 where no call of the plan's shapes and options streams) and the caches' step
+#: or 0 where no call of the plan's shapes and options streams), the bytes their first
+#: elements start on to stream (``backend.stream_start``) and the caches' step
 #: between rows its tiles were made for (``backend.cache_step``: 0 for rows next to each
 #: other); a call whose caches' step differs is left to the general path.
 PLAN_THREADS = PLAN_CHUNKS + 1
 PLAN_STREAM = PLAN_THREADS + 1
-PLAN_CACHES = PLAN_STREAM + 1
+PLAN_STREAM_START = PLAN_STREAM + 1
+PLAN_CACHES = PLAN_STREAM_START + 1
 #: The control block a plan's call hands its runner (``relay.BLOCK_SLOTS`` slots),
 #: written afresh by each call: part of the plan rather than allocated per call (an
 #: allocation and a free, against a 5 us call). The calls of one plan never overlap:
@@ -992,9 +993,10 @@ PLAN_BLOCK = PLAN_CACHES + 1
 PLAN_SLOTS = PLAN_BLOCK + relay.BLOCK_SLOTS
 
 #: :data:`PLAN_STREAM` of a plan whose runner streams its outputs: every call of the
-#: plan's shapes and options whose outputs start, and have their rows, on
-#: ``STREAM_ALIGNMENT`` bytes streams (``backend.streaming``); a call whose outputs do
-#: not is left to the general path. :data:`STREAM_UNALIGNED`: the other way round.
+#: plan's shapes and options whose outputs start on :data:`PLAN_STREAM_START` bytes
+#: and have their rows on ``STREAM_ALIGNMENT`` bytes streams (``backend.streaming``); a
+#: call whose outputs do not is left to the general path. :data:`STREAM_UNALIGNED`:
+#: the other way round.
 STREAM_ALIGNED = 1
 STREAM_UNALIGNED = 2
 
@@ -1057,22 +1059,20 @@ def _distinct_output_overload(out):
     return impl
 
 
-def _stream_aligned(out):  # pragma: no cover - see overload
-    """Whether ``out`` (or None) starts on ``STREAM_START_ALIGNMENT`` bytes (bfloat16
-    storage; ``STREAM_ALIGNMENT`` for others) and has its rows on ``STREAM_ALIGNMENT``
-    bytes: the part of ``backend.streaming`` that depends on where an output lies
-    rather than on the call's shapes, dtypes and options."""
+def _stream_aligned(out, start):  # pragma: no cover - see overload
+    """Whether ``out`` (or None) starts on ``start`` bytes (``backend.stream_start``)
+    and has its rows on ``STREAM_ALIGNMENT`` bytes: the part of ``backend.streaming``
+    that depends on where an output lies rather than on the call's shapes, dtypes and
+    options."""
     raise NotImplementedError
 
 
 @overload(_stream_aligned)  # not inlined, as _shape_is
-def _stream_aligned_overload(out):
+def _stream_aligned_overload(out, start):
     if isinstance(out, types.NoneType):
-        return lambda out: True
-    # bfloat16 travels as int16 storage (see backend.storage_dtype)
-    start = STREAM_START_ALIGNMENT if out.dtype == types.int16 else STREAM_ALIGNMENT
+        return lambda out, start: True
 
-    def impl(out):
+    def impl(out, start):
         if out.ctypes.data % start:
             return False
         for i in range(out.ndim - 1):
@@ -1220,8 +1220,8 @@ def _fits_plan(x, k, cos, sin, positions, out, out_k, plan, large):
     ):
         return False
     if large:
-        stream = plan[PLAN_STREAM]
-        if stream != 0 and (_stream_aligned(out) and _stream_aligned(out_k)) != (
+        stream, start = plan[PLAN_STREAM], plan[PLAN_STREAM_START]
+        if stream != 0 and (_stream_aligned(out, start) and _stream_aligned(out_k, start)) != (
             stream == STREAM_ALIGNED
         ):
             return False

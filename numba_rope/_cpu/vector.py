@@ -191,14 +191,21 @@ CONSTANT_HALVES = (64, 32)
 #: ones.
 STREAM_ALIGNMENT = 16
 
-#: bfloat16 outputs stream only when their first element starts a 64-byte line (their
-#: rows then on :data:`STREAM_ALIGNMENT` bytes, as every output's). NumPy's large arrays
-#: start 16 bytes past a line (``np.empty_like(x)`` for ``out=``), and into such
-#: bfloat16 outputs ordinary stores took 0.67-0.82x the time of non-temporal ones
+#: Some bfloat16 outputs stream only when their first element starts a 64-byte line
+#: (their rows then on :data:`STREAM_ALIGNMENT` bytes, as every output's): rows of
+#: non-interleaved pairs whose halves are not whole lines, and on targets without
+#: AVX-512 all rows of non-interleaved words (:func:`words_fill_lines`); see
+#: :func:`numba_rope._cpu.backend.stream_start`. NumPy's large arrays start 16 bytes
+#: past a line (``np.empty_like(x)`` for ``out=``), and into such bfloat16 outputs
+#: ordinary stores took 0.67-0.82x the time of the word steps made for rows on a line
 #: (prefill, prefill_3d, batch prefill, the interleaved partial prefill; one-process
-#: A/B, docs/performance.md, "Forty-first session"). float32 measured 0.77-0.88x in two
-#: workloads and 1.04-1.10x in two others, float16 0.99-1.00x: both stream from
-#: :data:`STREAM_ALIGNMENT` bytes as before.
+#: A/B, docs/performance.md, "Forty-first session"). Interleaved words start their
+#: loops on the line since (:meth:`_Stream.off_line`), and words whose halves are
+#: whole lines shift the steps of a row on a line into the output's lines
+#: (:meth:`_Stream.shifted_lines`): 0.43-0.82x the time of ordinary stores with the
+#: large calls' data out of the last-level cache, 0.87-1.19x with it in a 300 MiB one
+#: ("Forty-fifth session"). float32 and float16 stream from :data:`STREAM_ALIGNMENT`
+#: bytes.
 STREAM_START_ALIGNMENT = 64
 
 #: Every vector step stores a row's rotated pairs in multiples of this many (element
@@ -209,6 +216,22 @@ STREAM_START_ALIGNMENT = 64
 #: Rows streamed only where nothing is left (:func:`numba_rope._cpu.backend.streaming`).
 STREAM_PAIRS = max(VECTOR_WIDTHS[-1], 2 * WORD_WIDTHS[-1])
 STREAM_COPY_ELEMENTS = VECTOR_WIDTHS[-1]
+
+
+@functools.cache
+def words_fill_lines() -> bool:
+    """Whether the widest bfloat16 word step of the target numba compiles for is 16
+    words, a 64-byte line of output (AVX-512, :attr:`_Stream.word_widths`): streaming
+    rows of non-interleaved words whose halves are whole lines then shift their steps
+    into the lines of an output off a line (:meth:`_Stream.shifted_lines`). Not on
+    AVX2 targets, whose line of two 8-word steps, held across the loop with its
+    neighbour's, spilled vectors to the stack in every step (haswell,
+    ``tests/test_targets.py``): there such outputs stream from a line only
+    (:func:`numba_rope._cpu.backend.stream_start`)."""
+    from numba.core.registry import cpu_target
+
+    return has_avx512(cpu_target.target_context)
+
 
 #: Storage types the streaming loops take (float32 and the 16-bit formats).
 _STREAM_TYPES = (types.float32, types.uint16, types.int16)
@@ -464,10 +487,13 @@ class _Stream:
         prefill, batch prefill, prefill_3d) and 0.80-0.96x (float16), one process,
         old and new code on the same outputs ("Nineteenth session"). Every step
         reads its pairs before it stores them and no two steps share a pair: in
-        place too, but with ``halves`` (below). Not for the bfloat16 words
-        (:func:`_word_pairs_typing`: 1.0-1.1x slower streaming, 1.2-1.5x in a decode
-        step, which also loses the constant row lengths of :func:`_by_half`) nor
-        float16 rows with ordinary stores (bound by F16C's conversions: 1.0-1.1x).
+        place too, but with ``halves`` (below). Streaming interleaved bfloat16 words
+        too (:func:`_word_interleaved_pairs_typing`: the partial prefill (4, 16, 2048,
+        128) into an output 16 bytes past a line 0.54x the time of its ordinary
+        stores, "Forty-fifth session"), but not the words with ordinary stores
+        (:func:`_word_pairs_typing`: 1.2-1.5x in a decode step, which also loses the
+        constant row lengths of :func:`_by_half`) nor float16 rows with ordinary stores
+        (bound by F16C's conversions: 1.0-1.1x).
 
         ``halves``: for streaming rows of non-interleaved pairs, two steps that store
         only the pairs' first elements and only their second ones. The line where the
@@ -539,8 +565,11 @@ class _Stream:
         and 32 bytes over the edges (:meth:`off_line`) took 1.3-1.4x the time of a row
         on a line, bound by the conversions of their narrower steps; so 1.07-1.27x
         (large calls, one process, docs/performance.md, "Forty-fourth session"), the
-        shuffles taking the port that those conversions bound. float32 1.02-1.10x. The
-        same arithmetic per pair: the same bits."""
+        shuffles taking the port that those conversions bound. float32 1.02-1.10x.
+        bfloat16 words (:func:`_word_pairs_typing`, 16-word steps on AVX-512: see
+        :func:`words_fill_lines`), which took ordinary stores off a line before,
+        0.43-0.82x the time of those (large calls, "Forty-fifth session"). The same
+        arithmetic per pair: the same bits."""
         builder = self.builder
         intp = self.intp
         zero = ir.Constant(intp, 0)
@@ -940,7 +969,10 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
     non-interleaved pairs, two elements per 32-bit word (see
     :mod:`numba_rope._conversions`), and return ``n``, ``half`` rounded down to a
     multiple of 8 with non-temporal stores (twice :data:`WORD_WIDTHS` pairs a step),
-    of 2 with ordinary ones (then :data:`WORD_TAIL_WIDTHS`). The same arithmetic per
+    of 2 with ordinary ones (then :data:`WORD_TAIL_WIDTHS`). Streaming rows whose
+    output starts off a 64-byte line and whose halves are whole lines take
+    :meth:`_Stream.shifted_lines` on AVX-512 targets (:func:`words_fill_lines`).
+    The same arithmetic per
     element as the element loop, a quarter fewer instructions. Written in LLVM
     vectors rather than as a numba loop: numba inlines every branch of
     :func:`numba_rope._cpu.kernels.rotate_row` before dropping the dead ones, and this
@@ -948,7 +980,7 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
     if not _word_typing(x_row, cos_row, sin_row, out_row):
         return None
 
-    def codegen(context, builder, signature, args):
+    def codegen(context, builder, signature, args, off_line=False):
         (x, cos, sin, out), _, cache_type, half, sign = _stream_arguments(
             context, builder, signature, args
         )
@@ -969,7 +1001,7 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
                 for half_code in (bfloat16_low_code, bfloat16_high_code)
             ]
 
-        def step(first, lanes):  # lanes words, 2 * lanes pairs
+        def rotated(first, lanes):  # lanes words, 2 * lanes pairs: both halves' words
             second = builder.add(first, half)
             a, b = stream.load_words(x, first, lanes), stream.load_words(x, second, lanes)
             (c_low, s_low), (c_high, s_high) = cache_halves(first, lanes)
@@ -979,13 +1011,38 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
             y1_high, y2_high = stream.rotate(
                 bfloat16_high_code(builder, a), bfloat16_high_code(builder, b), c_high, s_high, sign
             )
-            y1 = stream.pair_words(y1_low, y1_high, instructions)
+            return second, [
+                stream.pair_words(low, high, instructions)
+                for low, high in ((y1_low, y1_high), (y2_low, y2_high))
+            ]
+
+        def step(first, lanes):
+            second, (y1, y2) = rotated(first, lanes)
             stream.store_words(y1, out, first, lanes, nontemporal)
-            y2 = stream.pair_words(y2_low, y2_high, instructions)
             stream.store_words(y2, out, second, lanes, nontemporal)
 
+        def line(j):
+            # the j-th line's worth of pairs of the row (32 pairs, 16 words a half):
+            # both halves' words (see shifted_lines); two 8-word steps joined where the
+            # target's widest word step is 8 (NARROW_WORD_WIDTHS)
+            first = builder.mul(j, ir.Constant(stream.intp, 32))
+            lanes = stream.word_widths[0]
+            parts = [
+                rotated(builder.add(first, ir.Constant(stream.intp, 2 * lanes * i)), lanes)[1]
+                for i in range(16 // lanes)
+            ]
+            if len(parts) == 1:
+                return parts[0]
+            return [stream.shuffle(parts[0][h], parts[1][h], list(range(16))) for h in (0, 1)]
+
         widths = stream.word_widths if nontemporal else stream.word_widths + WORD_TAIL_WIDTHS
-        return stream.steps(ir.Constant(stream.intp, 0), half, step, scale=2, widths=widths)
+
+        def steps():
+            return stream.steps(ir.Constant(stream.intp, 0), half, step, scale=2, widths=widths)
+
+        if off_line and nontemporal and stream.avx512:  # see words_fill_lines
+            return stream.shifted_lines(out.data, half, 2, line, steps)
+        return steps()
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
 
@@ -993,11 +1050,13 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
 def _word_interleaved_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     """:func:`_word_pairs_typing` for interleaved pairs: word ``i`` of a row holds pair ``i``
     (``x1`` low, ``x2`` high), in and out; :data:`VECTOR_WIDTHS` pairs a step, then with
-    ordinary stores :data:`PAIR_TAIL_WIDTHS` (every pair of the row)."""
+    ordinary stores :data:`PAIR_TAIL_WIDTHS` (every pair of the row). Streaming rows
+    whose output starts off a 64-byte line start their loops on the line
+    (:meth:`_Stream.off_line`)."""
     if not _word_typing(x_row, cos_row, sin_row, out_row):
         return None
 
-    def codegen(context, builder, signature, args):
+    def codegen(context, builder, signature, args, off_line=False):
         (x, cos, sin, out), _, cache_type, half, sign = _stream_arguments(
             context, builder, signature, args
         )
@@ -1018,7 +1077,13 @@ def _word_interleaved_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row
             stream.store_words(merged, out, element, lanes, nontemporal)
 
         widths = VECTOR_WIDTHS if nontemporal else VECTOR_WIDTHS + PAIR_TAIL_WIDTHS
-        return stream.steps(ir.Constant(stream.intp, 0), half, step, widths=widths)
+
+        def steps(start, length):
+            return stream.steps(start, length, step, widths=widths)
+
+        if off_line and nontemporal:
+            return stream.off_line(out.data, half, 4, steps, step)
+        return steps(ir.Constant(stream.intp, 0), half)
 
     return types.intp(x_row, cos_row, sin_row, out_row, half, sign), codegen
 
@@ -1114,11 +1179,12 @@ def vector_pairs(
             return None
         inner_signature, inner_codegen = typed
 
-        # Element steps of float32, or streaming ones, whose output starts off a 64-byte
-        # line start their loops on the line (_Stream.off_line, in the code for any
-        # length: see _by_half); word steps, and float16 ones with ordinary stores,
-        # were not faster so (measured). The one place that decides it.
-        lines_matter = not options[1] and (x_row.dtype == types.float32 or options[2])
+        # Element steps of float32, and streaming steps, whose output starts off a
+        # 64-byte line start their loops on the line (_Stream.off_line, or
+        # _Stream.shifted_lines, in the code for any length: see _by_half); word steps
+        # and float16 ones with ordinary stores were not faster so (measured). The one
+        # place that decides it.
+        lines_matter = options[2] or (not options[1] and x_row.dtype == types.float32)
 
         def codegen(context, builder, signature, args):
             on_line = None
