@@ -194,7 +194,7 @@ STREAM_ALIGNMENT = 16
 #: Some bfloat16 outputs stream only when their first element starts a 64-byte line
 #: (their rows then on :data:`STREAM_ALIGNMENT` bytes, as every output's): rows of
 #: non-interleaved pairs whose halves are not whole lines, and on targets without
-#: AVX-512 all rows of non-interleaved words (:func:`words_fill_lines`); see
+#: AVX-512 all rows of non-interleaved pairs (:func:`words_fill_lines`); see
 #: :func:`numba_rope._cpu.backend.stream_start`. NumPy's large arrays start 16 bytes
 #: past a line (``np.empty_like(x)`` for ``out=``), and into such bfloat16 outputs
 #: ordinary stores took 0.67-0.82x the time of the word steps made for rows on a line
@@ -202,9 +202,9 @@ STREAM_ALIGNMENT = 16
 #: A/B, docs/performance.md, "Forty-first session"). Interleaved words start their
 #: loops on the line since (:meth:`_Stream.off_line`), and words whose halves are
 #: whole lines shift the steps of a row on a line into the output's lines
-#: (:meth:`_Stream.shifted_lines`): 0.43-0.82x the time of ordinary stores with the
-#: large calls' data out of the last-level cache, 0.87-1.19x with it in a 300 MiB one
-#: ("Forty-fifth session"). float32 and float16 stream from :data:`STREAM_ALIGNMENT`
+#: (:meth:`_Stream.shifted_lines`): 0.43-0.84x the time of ordinary stores, but
+#: 0.87-1.19x while a 300 MiB last-level cache held the calls' data (one-process A/B,
+#: "Forty-fifth session"). float32 and float16 stream from :data:`STREAM_ALIGNMENT`
 #: bytes.
 STREAM_START_ALIGNMENT = 64
 
@@ -488,9 +488,10 @@ class _Stream:
         old and new code on the same outputs ("Nineteenth session"). Every step
         reads its pairs before it stores them and no two steps share a pair: in
         place too, but with ``halves`` (below). Streaming interleaved bfloat16 words
-        too (:func:`_word_interleaved_pairs_typing`: the partial prefill (4, 16, 2048,
-        128) into an output 16 bytes past a line 0.54x the time of its ordinary
-        stores, "Forty-fifth session"), but not the words with ordinary stores
+        too (:func:`_word_interleaved_pairs_typing`: the partial prefill (4, 16,
+        2048, 128) into an output 16 or 48 bytes past a line 0.48-0.67x the time of
+        its ordinary stores, "Forty-fifth session"), but not the words with ordinary
+        stores
         (:func:`_word_pairs_typing`: 1.2-1.5x in a decode step, which also loses the
         constant row lengths of :func:`_by_half`) nor float16 rows with ordinary stores
         (bound by F16C's conversions: 1.0-1.1x).
@@ -568,7 +569,7 @@ class _Stream:
         shuffles taking the port that those conversions bound. float32 1.02-1.10x.
         bfloat16 words (:func:`_word_pairs_typing`, 16-word steps on AVX-512: see
         :func:`words_fill_lines`), which took ordinary stores off a line before,
-        0.43-0.82x the time of those (large calls, "Forty-fifth session"). The same
+        0.43-0.84x the time of those (large calls, "Forty-fifth session"). The same
         arithmetic per pair: the same bits."""
         builder = self.builder
         intp = self.intp
