@@ -1023,18 +1023,9 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
             stream.store_words(y2, out, second, lanes, nontemporal)
 
         def line(j):
-            # the j-th line's worth of pairs of the row (32 pairs, 16 words a half):
-            # both halves' words (see shifted_lines); two 8-word steps joined where the
-            # target's widest word step is 8 (NARROW_WORD_WIDTHS)
-            first = builder.mul(j, ir.Constant(stream.intp, 32))
-            lanes = stream.word_widths[0]
-            parts = [
-                rotated(builder.add(first, ir.Constant(stream.intp, 2 * lanes * i)), lanes)[1]
-                for i in range(16 // lanes)
-            ]
-            if len(parts) == 1:
-                return parts[0]
-            return [stream.shuffle(parts[0][h], parts[1][h], list(range(16))) for h in (0, 1)]
+            # the j-th line's worth of pairs of the row (32 pairs): both halves' 16
+            # words (see shifted_lines), one step of AVX-512's widest
+            return rotated(builder.mul(j, ir.Constant(stream.intp, 32)), 16)[1]
 
         widths = stream.word_widths if nontemporal else stream.word_widths + WORD_TAIL_WIDTHS
 
