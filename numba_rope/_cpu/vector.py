@@ -491,10 +491,9 @@ class _Stream:
         too (:func:`_word_interleaved_pairs_typing`: the partial prefill (4, 16,
         2048, 128) into an output 16 or 48 bytes past a line 0.48-0.67x the time of
         its ordinary stores, "Forty-fifth session"), but not the words with ordinary
-        stores
-        (:func:`_word_pairs_typing`: 1.2-1.5x in a decode step, which also loses the
-        constant row lengths of :func:`_by_half`) nor float16 rows with ordinary stores
-        (bound by F16C's conversions: 1.0-1.1x).
+        stores (:func:`_word_pairs_typing`: 1.2-1.5x in a decode step, which also
+        loses the constant row lengths of :func:`_by_half`) nor float16 rows with
+        ordinary stores (bound by F16C's conversions: 1.0-1.1x).
 
         ``halves``: for streaming rows of non-interleaved pairs, two steps that store
         only the pairs' first elements and only their second ones. The line where the
@@ -972,12 +971,11 @@ def _word_pairs_typing(nontemporal, x_row, cos_row, sin_row, out_row, half, sign
     multiple of 8 with non-temporal stores (twice :data:`WORD_WIDTHS` pairs a step),
     of 2 with ordinary ones (then :data:`WORD_TAIL_WIDTHS`). Streaming rows whose
     output starts off a 64-byte line and whose halves are whole lines take
-    :meth:`_Stream.shifted_lines` on AVX-512 targets (:func:`words_fill_lines`).
-    The same arithmetic per
-    element as the element loop, a quarter fewer instructions. Written in LLVM
-    vectors rather than as a numba loop: numba inlines every branch of
-    :func:`numba_rope._cpu.kernels.rotate_row` before dropping the dead ones, and this
-    code would cost every kernel's compilation, bfloat16 or not."""
+    :meth:`_Stream.shifted_lines` on AVX-512 targets (:func:`words_fill_lines`). The
+    same arithmetic per element as the element loop, a quarter fewer instructions.
+    Written in LLVM vectors rather than as a numba loop: numba inlines every branch
+    of :func:`numba_rope._cpu.kernels.rotate_row` before dropping the dead ones, and
+    this code would cost every kernel's compilation, bfloat16 or not."""
     if not _word_typing(x_row, cos_row, sin_row, out_row):
         return None
 
