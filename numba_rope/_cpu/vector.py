@@ -466,15 +466,25 @@ class _Stream:
         address = self.builder.ptrtoint(data, self.intp)
         return self.builder.and_(self.builder.neg(address), ir.Constant(self.intp, 63))
 
+    def off_line_by_sixteens(self, lead_bytes):
+        """Whether ``lead_bytes`` (:meth:`bytes_before_line`) is 16, 32 or 48: an output
+        off a line that its steps of 16 bytes or more can reach it from."""
+        builder = self.builder
+        zero = ir.Constant(self.intp, 0)
+        return builder.and_(
+            builder.icmp_unsigned("!=", lead_bytes, zero),
+            builder.icmp_unsigned("==", builder.and_(lead_bytes, ir.Constant(self.intp, 15)), zero),
+        )
+
     def off_line(self, data, half, pair_bytes, steps, step, halves=None):
-        """``steps(start, length)`` (the vector loops over ``length`` pairs from
-        ``start``, returning where they stop) over a row of ``half`` pairs whose
-        output (from the pointer ``data``) starts off a 64-byte line by a multiple of 16 bytes: from the first pair
-        on a line, with narrower steps (``step(pair, lanes)``, 16 or 32 bytes of
-        output each) over the pairs before it and over those the loops leave, none of
-        whose stores spans two lines. Returns the pairs done: ``half`` rounded down to
-        16 bytes of output; or, for an output on a line (or off it by other than 16
-        bytes, or rows shorter than a line or a step), ``steps(0, half)``.
+        """``steps(start, length)`` (the vector loops over ``length`` pairs from ``start``,
+        returning where they stop) over a row of ``half`` pairs whose output (from the
+        pointer ``data``) starts off a 64-byte line by a multiple of 16 bytes: from the
+        first pair on a line, with narrower steps (``step(pair, lanes)``, 16 or 32 bytes of
+        output each) over the pairs before it and over those the loops leave, none of whose
+        stores spans two lines. Returns the pairs done: ``half`` rounded down to 16 bytes of
+        output; or, for an output on a line (or off it by other than 16 bytes, or rows
+        shorter than a line or a step), ``steps(0, half)``.
 
         A row whose output starts off a line has each of its 64-byte stores span two
         lines; NumPy's large arrays start 16 bytes past one. Float32 rows with
@@ -513,13 +523,10 @@ class _Stream:
         builder = self.builder
         zero = ir.Constant(self.intp, 0)
         lead_bytes = self.bytes_before_line(data)
-        sixteens = builder.icmp_unsigned(
-            "==", builder.and_(lead_bytes, ir.Constant(self.intp, 15)), zero
-        )
         # A line's pairs at least (the pairs before the first line fit in the row).
         shortest = max(VECTOR_WIDTHS[0], 64 // pair_bytes)
         off = builder.and_(
-            builder.and_(builder.icmp_unsigned("!=", lead_bytes, zero), sixteens),
+            self.off_line_by_sixteens(lead_bytes),
             builder.icmp_unsigned(">=", half, ir.Constant(self.intp, shortest)),
         )
         # Steps of 32 and 16 bytes of output: within a line from an offset of 16.
@@ -549,17 +556,17 @@ class _Stream:
 
     def shifted_lines(self, data, half, pair_bytes, line, otherwise):
         """The vector steps of a streaming row of ``half`` non-interleaved pairs whose
-        output (from the pointer ``data``) starts off a 64-byte line by 16, 32 or 48 bytes and whose halves are
-        whole lines (``half`` a multiple of a line's pairs): ``line(j)`` rotates the
-        ``j``-th line's worth of pairs of the row as it lies in the input (as on a
-        line) and returns its two halves' output, 64 bytes each (``<16 x i32>``); each
-        is shifted into the output's lines by one shuffle with its neighbour
+        output (from the pointer ``data``) starts off a 64-byte line by 16, 32 or 48 bytes
+        and whose halves are whole lines (``half`` a multiple of a line's pairs):
+        ``line(j)`` rotates the ``j``-th line's worth of pairs of the row as it lies in the
+        input (as on a line) and returns its two halves' output, 64 bytes each (``<16 x
+        i32>``); each is shifted into the output's lines by one shuffle with its neighbour
         (``valignq`` on AVX-512), and every line the row covers alone is written by one
-        store: the first half's last line with the second half's first, held from the
-        row's first step. Only the lines shared with the rows before and after take
-        two stores, one at the start of the row and one at its end, next to the
-        neighbour's. Returns ``half``; other rows take ``otherwise()`` (returning the
-        pairs done), :meth:`off_line`.
+        store: the first half's last line with the second half's first, held from the row's
+        first step. Only the lines shared with the rows before and after take two stores,
+        one at the start of the row and one at its end, next to the neighbour's. Returns
+        ``half``; other rows take ``otherwise()`` (returning the pairs done),
+        :meth:`off_line`.
 
         The pairs then take the same steps as on a line: float16 rows with steps of 16
         and 32 bytes over the edges (:meth:`off_line`) took 1.3-1.4x the time of a row
@@ -580,9 +587,8 @@ class _Stream:
         )
         taken = builder.and_(
             builder.and_(whole_lines, builder.icmp_unsigned("!=", half, zero)),
-            builder.icmp_unsigned("==", builder.and_(lead_bytes, ir.Constant(intp, 15)), zero),
+            self.off_line_by_sixteens(lead_bytes),
         )
-        taken = builder.and_(taken, builder.icmp_unsigned("!=", lead_bytes, zero))
         done = []
         with builder.if_else(taken, likely=False) as (shifted, other):
             with shifted:
@@ -1398,9 +1404,9 @@ def stream_copy(typingctx, x_row, out_row, start, end, streaming):
     """With ``streaming`` (a constant): copy elements ``[start, m)`` of a row with
     non-temporal stores, ``m - start`` the largest multiple of 8 up to ``end`` (of 16
     bytes where element ``start`` of the output is off a 64-byte line and a line's
-    elements or more are copied), and return
-    ``m`` (the channels past ``rotary_dim``; element ``start`` of the output must be on
-    :data:`STREAM_ALIGNMENT` bytes). Without: return ``start``, copying nothing.
+    elements or more are copied), and return ``m`` (the channels past ``rotary_dim``;
+    element ``start`` of the output must be on :data:`STREAM_ALIGNMENT` bytes).
+    Without: return ``start``, copying nothing.
 
     From the first element on a line, as the rotated pairs (:meth:`_Stream.off_line`):
     each 64-byte store off a line was split into four of 16 bytes, and the float32
