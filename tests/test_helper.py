@@ -132,6 +132,36 @@ def test_strided_rows_and_layouts_are_relayed_too(rng, relay_always):
     assert relay_always and relay_always[0][2] is False  # the strided row code
 
 
+@TWO_THREADS
+def test_sequences_that_share_cache_lines_stay_on_one_thread(rng, relay_always, monkeypatch):
+    # Fortran order holds the sequences' elements side by side: split between two
+    # threads by sequence, each would take the other's lines at every store
+    # (backend.sequences_apart). Such calls stay on the calling thread, by the general
+    # path and by plans, below the parallel kernels' size and above it.
+    x, cos, sin, ids = make_case(rng, (2, 6, 3, 32), np.float32, n_positions=16)
+    expected = float32_contract(x, cos, sin, ids)
+    in_parallel = []
+    run_parallel = cpu_backend._run_parallel
+
+    def recording(kernel, args):
+        in_parallel.append(True)
+        return run_parallel(kernel, args)
+
+    monkeypatch.setattr(cpu_backend, "_run_parallel", recording)
+    for parallel_from in (None, 0):
+        if parallel_from is not None:
+            monkeypatch.setattr(config, "PARALLEL_MIN_ELEMENTS", parallel_from)
+        for order, shared in (("F", False), ("C", True)):
+            relay_always.clear()
+            in_parallel.clear()
+            out = np.empty_like(x, order=order)
+            for _ in range(3):  # the general path, then plans
+                numba_rope.rotary_embedding(np.array(x, order=order), cos, sin, ids, out=out)
+                assert_bitwise_equal(out, expected)
+            assert bool(relay_always or in_parallel) is shared, (parallel_from, order)
+            assert bool(in_parallel) is (shared and parallel_from is not None)
+
+
 def _kernel_positions(kwargs):
     """The positions as the kernels take them: ids, None, one int64 offset or an int64
     array of offsets."""

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracles import DTYPES, assert_bitwise_equal, float32_contract
+from oracles import BFLOAT16, DTYPES, assert_bitwise_equal, float32_contract
 
 import numba_rope
 
@@ -138,3 +138,88 @@ def test_unusual_arrays_are_rotated_exactly_or_refused_clearly(call):
         got = numba_rope.rotary_embedding(*arguments, out=out, **options)
         assert got is out or out is None
         assert_bitwise_equal(np.asarray(got), want)
+
+
+# -- memory orders: rows whose channels lie far apart ---------------------------------------
+
+
+def _laid_out(a: np.ndarray, order: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """``(view, rest)``: ``a`` copied into a buffer of 7s whose axes lie in memory in
+    ``order`` (outermost first), its innermost axis padded to 520 elements so that the
+    next axis out is at least 1 KiB away (channels anywhere but innermost then lie as far
+    apart as the kernels' orders of heads or tokens inside need, ``INSIDE_MIN_STEP``),
+    and a function giving the buffer's elements outside the view."""
+    shape = [a.shape[i] for i in order]
+    shape[-1] = 520
+    buffer = np.full(shape, 7, a.dtype)
+    region = tuple(slice(0, a.shape[i]) for i in order)
+    view = buffer[region].transpose(np.argsort(order))
+    view[...] = a
+    outside = np.ones(shape, bool)
+    outside[region] = False
+    return view, lambda: buffer[outside]
+
+
+def _storage(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint16) if a.itemsize == 2 else a
+
+
+#: Options of the memory-order test by dtype: interleaved, rotary_dim (of 10 channels),
+#: inverse. One set each: every set is a kernel to compile per kind of call (2-3 s).
+ORDER_OPTIONS = {
+    np.dtype(np.float32): (False, 8, False),
+    np.dtype(np.float16): (True, 10, True),
+    BFLOAT16: (True, 8, False),
+    np.dtype(np.float64): (False, 10, True),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_memory_order_is_rotated_exactly(rng, dtype):
+    """The input, the output and a second tensor in each of the 24 orders of their axes
+    in memory (Fortran order among them), with large steps: out=, in place, allocated,
+    and q and k in other orders, equal the contract bit for bit and leave the rest of
+    their buffers alone. Rows whose channels are not innermost are rotated pair by pair
+    over heads or tokens (``kernels.strided_order``); every order is taken."""
+    from itertools import permutations
+
+    from numba_rope._cpu.kernels import strided_order
+
+    shape = (2, 3, 4, 10)
+    x = rng.standard_normal(shape).astype(dtype)
+    k = rng.standard_normal((2, 1, 4, 10)).astype(dtype)
+    cos_all = rng.standard_normal((9, 5)).astype(dtype)
+    sin_all = rng.standard_normal((9, 5)).astype(dtype)
+    ids = rng.integers(0, 9, (2, 4))
+    orders = list(permutations(range(4)))
+    taken = set()
+    for n, order in enumerate(orders):
+        interleaved, rotary_dim, inverse = ORDER_OPTIONS[dtype]
+        options = {"interleaved": interleaved, "rotary_embedding_dim": rotary_dim}
+        half = rotary_dim // 2  # C-contiguous caches: fewer kinds of arrays to compile for
+        cos, sin = cos_all[:, :half].copy(), sin_all[:, :half].copy()
+        signed = -sin if inverse else sin  # the inverse rotates by -sin, exactly
+        want = float32_contract(x, cos, signed, ids, interleaved, rotary_dim)
+        want_k = float32_contract(k, cos, signed, ids, interleaved, rotary_dim)
+        view, view_rest = _laid_out(x, order)
+        out, out_rest = _laid_out(np.zeros_like(x), orders[-1 - n])
+        taken.add(int(strided_order(_storage(view), _storage(out))))
+        got = numba_rope.rotary_embedding(view, cos, sin, ids, out=out, inverse=inverse, **options)
+        assert got is out
+        assert_bitwise_equal(out, want)
+        assert_bitwise_equal(view, x)
+        allocated = numba_rope.rotary_embedding(view, cos, sin, ids, inverse=inverse, **options)
+        assert_bitwise_equal(allocated, want)
+        numba_rope.rotary_embedding(view, cos, sin, ids, out=view, inverse=inverse, **options)
+        assert_bitwise_equal(view, want)
+        kview, k_rest = _laid_out(k, orders[(n + 5) % len(orders)])
+        view[...] = x
+        q_out, k_out = numba_rope.rotary_embedding_qk(
+            view, kview, cos, sin, ids, out_q=view, out_k=kview, inverse=inverse, **options
+        )
+        assert q_out is view and k_out is kview
+        assert_bitwise_equal(view, want)
+        assert_bitwise_equal(kview, want_k)
+        for rest in (view_rest, out_rest, k_rest):
+            assert (rest().astype(np.float64) == 7).all()
+    assert taken == {0, 1, 2}

@@ -487,6 +487,62 @@ def _prefetches_ahead_overload(x, out, streaming):
     return impl
 
 
+#: Loop orders of :func:`_strided_units`: each row's channels innermost, or each
+#: channel pair over the unit's heads (:data:`HEADS_INSIDE`) or over its tokens
+#: (:data:`TOKENS_INSIDE`). See :func:`strided_order`.
+ROWS_INSIDE = 0
+HEADS_INSIDE = 1
+TOKENS_INSIDE = 2
+
+#: The least step (bytes) between a row's channels, in the input or the output, from
+#: which :func:`strided_order` takes heads or tokens inside. Below it consecutive rows
+#: share the lines and pages of their channels, which stay in the caches from one row
+#: to the next. Tokens innermost in memory (``x.transpose(0, 1, 3, 2)`` of a C-ordered
+#: array), float32, tokens inside against row by row on the Intel AVX-512 VM (one
+#: process, ``/tmp/s46/ablayout.py``): channels 256 bytes apart, (2, 8, 64, 64), 87
+#: against 43 us; 512 bytes, (2, 8, 128, 64) 0.81-1.01x but (8, 32, 128, 128)
+#: 1.21-1.32x; 1 KiB, (8, 32, 256, 128) and (2, 8, 256, 64) 0.58-0.68x.
+INSIDE_MIN_STEP = 1024
+
+
+@cached_njit(inline="always")
+def strided_order(x, out):
+    """The loop order of :func:`_strided_units` for ``x`` rotated into ``out``.
+
+    Rows whose channels lie far apart in memory (Fortran order, views of a tensor
+    transposed in its last axis) take the axis, heads or tokens, whose steps (bytes,
+    summed over both arrays) are the smallest and smaller than the channels' innermost;
+    other rows are rotated row by row. A row's channels 8 KiB apart (a Fortran-ordered
+    decode step of 64 sequences) fall into one set of the L1 cache and onto as many
+    pages as there are channels: rotated row by row, such calls took 4 to 20 times as
+    long as in this order (docs/performance.md, "Forty-sixth session"). An order only:
+    every element is computed by the same arithmetic.
+
+    >>> x = np.zeros((2, 8, 256, 64), np.float32)
+    >>> f, t = np.asfortranarray(x), x.transpose(0, 1, 3, 2).copy().transpose(0, 1, 3, 2)
+    >>> [int(strided_order(a, a)) for a in (x, f, t, x[..., ::2])]
+    [0, 1, 2, 0]
+    """
+    if max(abs(x.strides[3]), abs(out.strides[3])) < INSIDE_MIN_STEP:
+        return ROWS_INSIDE
+    channel = abs(x.strides[3]) + abs(out.strides[3])
+    head = abs(x.strides[1]) + abs(out.strides[1])
+    token = abs(x.strides[2]) + abs(out.strides[2])
+    if x.shape[1] > 1 and head < channel and (head <= token or x.shape[2] == 1):
+        return HEADS_INSIDE
+    if x.shape[2] > 1 and token < channel:
+        return TOKENS_INSIDE
+    return ROWS_INSIDE
+
+
+@cached_njit(inline="always")
+def _pair_indices(pair, half, interleaved):
+    """The channels of pair ``pair`` (unsigned: see :func:`rotate_row`)."""
+    if interleaved:
+        return np.uint64(2 * pair), np.uint64(2 * pair + 1)
+    return np.uint64(pair), np.uint64(pair + half)
+
+
 @cached_njit(inline="always")
 def _strided_units(
     x,
@@ -505,25 +561,76 @@ def _strided_units(
     streaming,
     scratch,
 ):
-    """:func:`_contiguous_units` for any strides: rows are slices (slower: each slice
-    updates a shared reference count). ``words``, ``streaming`` and ``scratch`` are
-    taken and not used (they need contiguous rows)."""
+    """:func:`_contiguous_units` for any strides: row by row, rows being slices
+    (slower: each slice updates a shared reference count), or element by element in
+    the order of :func:`strided_order`. Every element is computed by the same
+    arithmetic in every order. ``words``, ``streaming`` and ``scratch`` are taken and
+    not used (they need contiguous rows)."""
+    order = strided_order(x, out)
+    if order == ROWS_INSIDE:
+        for unit in range(first, end):
+            b, s0, s1, h0, h1 = _unit_bounds(unit, x.shape[2], x.shape[1], tile, n_groups)
+            for h in range(h0, h1):
+                for s in range(s0, s1):
+                    row_index = _cache_row_index(cos, positions, b, s)
+                    rotate_row(
+                        x[b, h, s],
+                        cos[row_index],
+                        sin[row_index],
+                        out[b, h, s],
+                        interleaved,
+                        rotary_dim,
+                        sign,
+                        False,
+                        False,
+                    )
+        return
+    half = rotary_dim // 2
     for unit in range(first, end):
         b, s0, s1, h0, h1 = _unit_bounds(unit, x.shape[2], x.shape[1], tile, n_groups)
-        for h in range(h0, h1):
-            for s in range(s0, s1):
-                row_index = _cache_row_index(cos, positions, b, s)
-                rotate_row(
-                    x[b, h, s],
-                    cos[row_index],
-                    sin[row_index],
-                    out[b, h, s],
-                    interleaved,
-                    rotary_dim,
-                    sign,
-                    False,
-                    False,
-                )
+        ub = np.uint64(b)
+        if order == HEADS_INSIDE:  # pair by pair, each token's heads innermost
+            for pair in range(half):
+                i1, i2 = _pair_indices(pair, half, interleaved)
+                for s in range(s0, s1):
+                    at = _cache_row_index(cos, positions, b, s) + (pair,)  # noqa: RUF005 (numba)
+                    c = widen(cos[at])
+                    n = widen(sin[at]) * sign
+                    us = np.uint64(s)
+                    for h in range(h0, h1):
+                        uh = np.uint64(h)
+                        y1, y2 = rotate_pair(
+                            widen(x[ub, uh, us, i1]), widen(x[ub, uh, us, i2]), c, n
+                        )
+                        out[ub, uh, us, i1] = narrow_like(y1, out)
+                        out[ub, uh, us, i2] = narrow_like(y2, out)
+            for channel in range(rotary_dim, x.shape[3]):
+                uc = np.uint64(channel)
+                for s in range(s0, s1):
+                    us = np.uint64(s)
+                    for h in range(h0, h1):
+                        out[ub, np.uint64(h), us, uc] = x[ub, np.uint64(h), us, uc]
+        else:  # TOKENS_INSIDE  # pair by pair, each head's tokens innermost
+            for pair in range(half):
+                i1, i2 = _pair_indices(pair, half, interleaved)
+                for h in range(h0, h1):
+                    uh = np.uint64(h)
+                    for s in range(s0, s1):
+                        at = _cache_row_index(cos, positions, b, s) + (pair,)  # noqa: RUF005 (numba)
+                        c = widen(cos[at])
+                        n = widen(sin[at]) * sign
+                        us = np.uint64(s)
+                        y1, y2 = rotate_pair(
+                            widen(x[ub, uh, us, i1]), widen(x[ub, uh, us, i2]), c, n
+                        )
+                        out[ub, uh, us, i1] = narrow_like(y1, out)
+                        out[ub, uh, us, i2] = narrow_like(y2, out)
+            for channel in range(rotary_dim, x.shape[3]):
+                uc = np.uint64(channel)
+                for h in range(h0, h1):
+                    uh = np.uint64(h)
+                    for s in range(s0, s1):
+                        out[ub, uh, np.uint64(s), uc] = x[ub, uh, np.uint64(s), uc]
 
 
 @cached_njit()
