@@ -498,10 +498,10 @@ TOKENS_INSIDE = 2
 #: which :func:`strided_order` takes heads or tokens inside. Below it consecutive rows
 #: share the lines and pages of their channels, which stay in the caches from one row
 #: to the next. Tokens innermost in memory (``x.transpose(0, 1, 3, 2)`` of a C-ordered
-#: array), float32, tokens inside against row by row on the Intel AVX-512 VM (one
+#: array), float32, tokens inside against row by row on the AMD Zen 4 VM (one
 #: process, ``/tmp/s46/ablayout.py``): channels 256 bytes apart, (2, 8, 64, 64), 87
 #: against 43 us; 512 bytes, (2, 8, 128, 64) 0.81-1.01x but (8, 32, 128, 128)
-#: 1.21-1.32x; 1 KiB, (8, 32, 256, 128) and (2, 8, 256, 64) 0.58-0.68x.
+#: 1.21-1.32x; 1 KiB, (8, 32, 256, 128) and (2, 8, 256, 64) 0.54-0.82x.
 INSIDE_MIN_STEP = 1024
 
 
@@ -514,9 +514,9 @@ def strided_order(x, out):
     summed over both arrays) are the smallest and smaller than the channels' innermost;
     other rows are rotated row by row. A row's channels 8 KiB apart (a Fortran-ordered
     decode step of 64 sequences) fall into one set of the L1 cache and onto as many
-    pages as there are channels: rotated row by row, such calls took 4 to 20 times as
-    long as in this order (docs/performance.md, "Forty-sixth session"). An order only:
-    every element is computed by the same arithmetic.
+    pages as there are channels: rotated row by row, such calls took 1.7 to 25 times
+    as long as in this order on the Zen 4 VM (docs/performance.md, "Forty-sixth
+    session"). An order only: every element is computed by the same arithmetic.
 
     >>> x = np.zeros((2, 8, 256, 64), np.float32)
     >>> f, t = np.asfortranarray(x), x.transpose(0, 1, 3, 2).copy().transpose(0, 1, 3, 2)
