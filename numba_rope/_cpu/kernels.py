@@ -544,6 +544,22 @@ def _pair_indices(pair, half, interleaved):
 
 
 @cached_njit(inline="always")
+def _pair_cache_values(cos, sin, positions, b, s, pair, sign):
+    """``(cos, sin * sign)`` of pair ``pair`` of token (b, s), in the compute type."""
+    at = _cache_row_index(cos, positions, b, s) + (pair,)  # noqa: RUF005 (numba: no *)
+    return widen(cos[at]), widen(sin[at]) * sign
+
+
+@cached_njit(inline="always")
+def _rotate_pair_at(x, out, b, h, s, i1, i2, cos_value, sin_value):
+    """Rotate channels ``i1`` and ``i2`` of row (b, h, s) of ``x`` into ``out``: both
+    read before either is written (``out`` may be ``x``)."""
+    y1, y2 = rotate_pair(widen(x[b, h, s, i1]), widen(x[b, h, s, i2]), cos_value, sin_value)
+    out[b, h, s, i1] = narrow_like(y1, out)
+    out[b, h, s, i2] = narrow_like(y2, out)
+
+
+@cached_njit(inline="always")
 def _strided_units(
     x,
     cos,
@@ -593,17 +609,10 @@ def _strided_units(
             for pair in range(half):
                 i1, i2 = _pair_indices(pair, half, interleaved)
                 for s in range(s0, s1):
-                    at = _cache_row_index(cos, positions, b, s) + (pair,)  # noqa: RUF005 (numba)
-                    c = widen(cos[at])
-                    n = widen(sin[at]) * sign
+                    c, n = _pair_cache_values(cos, sin, positions, b, s, pair, sign)
                     us = np.uint64(s)
                     for h in range(h0, h1):
-                        uh = np.uint64(h)
-                        y1, y2 = rotate_pair(
-                            widen(x[ub, uh, us, i1]), widen(x[ub, uh, us, i2]), c, n
-                        )
-                        out[ub, uh, us, i1] = narrow_like(y1, out)
-                        out[ub, uh, us, i2] = narrow_like(y2, out)
+                        _rotate_pair_at(x, out, ub, np.uint64(h), us, i1, i2, c, n)
             for channel in range(rotary_dim, x.shape[3]):
                 uc = np.uint64(channel)
                 for s in range(s0, s1):
@@ -616,15 +625,8 @@ def _strided_units(
                 for h in range(h0, h1):
                     uh = np.uint64(h)
                     for s in range(s0, s1):
-                        at = _cache_row_index(cos, positions, b, s) + (pair,)  # noqa: RUF005 (numba)
-                        c = widen(cos[at])
-                        n = widen(sin[at]) * sign
-                        us = np.uint64(s)
-                        y1, y2 = rotate_pair(
-                            widen(x[ub, uh, us, i1]), widen(x[ub, uh, us, i2]), c, n
-                        )
-                        out[ub, uh, us, i1] = narrow_like(y1, out)
-                        out[ub, uh, us, i2] = narrow_like(y2, out)
+                        c, n = _pair_cache_values(cos, sin, positions, b, s, pair, sign)
+                        _rotate_pair_at(x, out, ub, uh, np.uint64(s), i1, i2, c, n)
             for channel in range(rotary_dim, x.shape[3]):
                 uc = np.uint64(channel)
                 for h in range(h0, h1):
