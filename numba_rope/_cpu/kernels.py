@@ -514,7 +514,7 @@ def strided_order(x, out):
     summed over both arrays) are the smallest and smaller than the channels' innermost;
     other rows are rotated row by row. A row's channels 8 KiB apart (a Fortran-ordered
     decode step of 64 sequences) fall into one set of the L1 cache and onto as many
-    pages as there are channels: rotated row by row, such calls took 1.7 to 25 times
+    pages as there are channels: rotated row by row, such calls took up to 25 times
     as long as in this order on the Zen 4 VM (docs/performance.md, "Forty-sixth
     session"). An order only: every element is computed by the same arithmetic.
 
