@@ -10,6 +10,8 @@ rows that overlap) are members of these classes; the strategies draw others.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -143,7 +145,7 @@ def test_unusual_arrays_are_rotated_exactly_or_refused_clearly(call):
 # -- memory orders: rows whose channels lie far apart ---------------------------------------
 
 
-def _laid_out(a: np.ndarray, order: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+def _laid_out(a: np.ndarray, order: tuple[int, ...]) -> tuple[np.ndarray, Callable[[], np.ndarray]]:
     """``(view, rest)``: ``a`` copied into a buffer of 7s whose axes lie in memory in
     ``order`` (outermost first), its innermost axis padded to 520 elements so that the
     next axis out is at least 1 KiB away (channels anywhere but innermost then lie as far
@@ -191,16 +193,16 @@ def test_every_memory_order_is_rotated_exactly(rng, dtype):
     cos_all = rng.standard_normal((9, 5)).astype(dtype)
     sin_all = rng.standard_normal((9, 5)).astype(dtype)
     ids = rng.integers(0, 9, (2, 4))
+    interleaved, rotary_dim, inverse = ORDER_OPTIONS[dtype]
+    options = {"interleaved": interleaved, "rotary_embedding_dim": rotary_dim}
+    half = rotary_dim // 2  # C-contiguous caches: fewer kinds of arrays to compile for
+    cos, sin = cos_all[:, :half].copy(), sin_all[:, :half].copy()
+    signed = -sin if inverse else sin  # the inverse rotates by -sin, exactly
+    want = float32_contract(x, cos, signed, ids, interleaved, rotary_dim)
+    want_k = float32_contract(k, cos, signed, ids, interleaved, rotary_dim)
     orders = list(permutations(range(4)))
     taken = set()
     for n, order in enumerate(orders):
-        interleaved, rotary_dim, inverse = ORDER_OPTIONS[dtype]
-        options = {"interleaved": interleaved, "rotary_embedding_dim": rotary_dim}
-        half = rotary_dim // 2  # C-contiguous caches: fewer kinds of arrays to compile for
-        cos, sin = cos_all[:, :half].copy(), sin_all[:, :half].copy()
-        signed = -sin if inverse else sin  # the inverse rotates by -sin, exactly
-        want = float32_contract(x, cos, signed, ids, interleaved, rotary_dim)
-        want_k = float32_contract(k, cos, signed, ids, interleaved, rotary_dim)
         view, view_rest = _laid_out(x, order)
         out, out_rest = _laid_out(np.zeros_like(x), orders[-1 - n])
         taken.add(int(strided_order(_storage(view), _storage(out))))
