@@ -225,3 +225,37 @@ def test_every_memory_order_is_rotated_exactly(rng, dtype):
         for rest in (view_rest, out_rest, k_rest):
             assert (rest().astype(np.float64) == 7).all()
     assert taken == {0, 1, 2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BFLOAT16], ids=str)
+def test_every_memory_order_is_rotated_exactly_on_the_gpu(rng, gpu, dtype):
+    """The GPU's kernels, given device views in each of the 24 memory orders (the same
+    padded buffers as on the CPU): allocated and in place, the contract bit for bit, and
+    the rest of the device buffer untouched."""
+    from itertools import permutations
+
+    from conftest import assert_matches_contract, gpu_views
+
+    x = rng.standard_normal((2, 3, 4, 10)).astype(dtype)
+    cos = rng.standard_normal((9, 4)).astype(dtype)
+    sin = rng.standard_normal((9, 4)).astype(dtype)
+    ids = rng.integers(0, 9, (2, 4))
+    options = {"interleaved": True, "rotary_embedding_dim": 8}
+    caches = (gpu.on(cos), gpu.on(sin), gpu.on(ids))
+    want = float32_contract(x, cos, sin, ids, True, 8)
+    for order in permutations(range(4)):
+        view, _ = _laid_out(x, order)
+        buffer = view.base
+        while buffer.base is not None:
+            buffer = buffer.base
+        device_buffer, device_view = gpu_views(buffer, view)
+        got = gpu.off(numba_rope.rotary_embedding(device_view, *caches, **options))
+        assert_matches_contract(got, x, cos, sin, ids, True, 8)
+        numba_rope.rotary_embedding(device_view, *caches, out=device_view, **options)
+        after = gpu.off(device_buffer)
+        region = tuple(slice(0, x.shape[i]) for i in order)
+        assert_bitwise_equal(after[region].transpose(np.argsort(order)), want)
+        outside = np.ones(after.shape, bool)
+        outside[region] = False
+        assert (after[outside].astype(np.float64) == 7).all()
