@@ -770,7 +770,13 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     these loops, and into a register it is cheaper than into memory (with the vector
     widening of :func:`widen_span`, a float16 decode step 0.86-0.90x the time shared
     with the helper thread and 0.975x the kernel alone, one-process A/B; see
-    docs/performance.md, "Tenth session").
+    docs/performance.md, "Tenth session"). Not with ordinary stores on AVX-512 targets
+    without AVX512-FP16 (Zen 4, Intel before Sapphire Rapids), where :meth:`_Stream.narrow`
+    keeps each conversion in a register and each step stores its own 32 bytes: without
+    the shuffle that joined two, float16 rows on one thread took 0.957-0.978x the time
+    on the Zen 4 VM (the seed, a bshd (4, 256, 8, 128), (1, 32, 256, 128); a decode
+    step 0.955-1.022x; one-process A/B, docs/performance.md, "Forty-seventh
+    session"). AVX2 code run there gained nothing (0.99-1.05x) and keeps the join.
 
     With ordinary stores (``nontemporal`` False) it is what LLVM's loop vectorizer
     makes of the element loop, without the tests it adds to every row (do the rows
@@ -798,6 +804,8 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
         stream = _Stream(context, builder)
         tails = not nontemporal and x_type == types.uint16  # float16 (see its widths)
         widths = VECTOR_WIDTHS + PAIR_TAIL_WIDTHS if tails else VECTOR_WIDTHS
+        # float16 steps with ordinary stores each stored as it is (see above)
+        separate = not nontemporal and stream.float16_in_register and stream.avx512
 
         def rotated(first, lanes):
             second = builder.add(first, half)
@@ -845,7 +853,7 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
             return [builder.bitcast(o, ir.VectorType(_LANE, 16)) for o in outputs]
 
         def steps(start, length):
-            if x_type == types.uint16:
+            if x_type == types.uint16 and not separate:
                 end = builder.add(start, length)
                 start = stream.double_steps(start, length, two_steps)
                 length = builder.sub(end, start)
