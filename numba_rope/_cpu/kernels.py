@@ -510,9 +510,9 @@ def strided_order(x, out):
     """The loop order of :func:`_strided_units` for ``x`` rotated into ``out``.
 
     Rows whose channels lie far apart in memory (Fortran order, views of a tensor
-    transposed in its last axis) take the axis, heads or tokens, whose steps (bytes,
-    summed over both arrays) are the smallest and smaller than the channels' innermost;
-    other rows are rotated row by row. A row's channels 8 KiB apart (a Fortran-ordered
+    transposed in its last axis) take innermost the axis, heads or tokens, whose steps
+    (bytes, summed over both arrays) are the smallest, and smaller than the channels'
+    steps; other rows are rotated row by row. A row's channels 8 KiB apart (a Fortran-ordered
     decode step of 64 sequences) fall into one set of the L1 cache and onto as many
     pages as there are channels: rotated row by row, such calls took up to 25 times
     as long as in this order on the Zen 4 VM (docs/performance.md, "Forty-sixth
