@@ -306,6 +306,124 @@ def test_stream_argument():
         numba_rope.rotary_embedding(**args, stream="fast")
 
 
+class Exporter:
+    """A bare ``__cuda_array_interface__`` exporter (version 3) over a Numba device
+    array's memory: no ``shape``, ``strides`` or ``dtype`` attributes (unless ``dtype``
+    is given: bfloat16's typestr reads as ``uint16``), as the interface allows. In the
+    simulator, whose device memory is host memory, the interface points at that."""
+
+    def __init__(self, device_array, stream=None, read_only=False, dtype=None):
+        self._array, self._stream, self._read_only = device_array, stream, read_only
+        if dtype is not None:
+            self.dtype = np.dtype(dtype)
+
+    @property
+    def __cuda_array_interface__(self):
+        if SIMULATOR:
+            host = self._array._ary
+            interface = {
+                "shape": host.shape,
+                "strides": None if host.flags.c_contiguous else host.strides,
+                "typestr": host.dtype.str,
+                "data": (host.__array_interface__["data"][0], self._read_only),
+                "version": 3,
+            }
+        else:
+            interface = dict(self._array.__cuda_array_interface__)
+            interface["data"] = (interface["data"][0], self._read_only)
+            interface.pop("stream", None)
+        if self._stream is not None:
+            interface["stream"] = self._stream
+        return interface
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_bare_interface_exporters_are_rotated_in_their_memory(rng, gpu, dtype):
+    # Objects that offer only __cuda_array_interface__ (the README's "other objects
+    # exporting" it): allocated (a Numba device array back), into a strided view of a
+    # larger buffer (the rest untouched), in place, q and k; read-only outputs and bad
+    # ids refused, naming the rule.
+    x, cos, sin, ids = make_case(rng, (2, 3, 5, 8), dtype)
+    want = float32_contract(x, cos, sin, ids)
+    named = {"dtype": dtype} if dtype == BFLOAT16 else {}
+
+    def bare(host, **options):
+        device = gpu.on(host)
+        return Exporter(device.view(np.uint16) if host.dtype == BFLOAT16 else device, **options)
+
+    caches = (bare(cos, **named), bare(sin, **named), bare(ids))
+    got = numba_rope.rotary_embedding(bare(x, **named), *caches)
+    assert_bitwise_equal(gpu.off(got), want)
+
+    host_base = np.zeros((2, 3, 5, 16), dtype)
+    base, view = gpu.views(host_base, host_base[..., ::-2])
+    storage = (lambda a: a.view(np.uint16)) if dtype == BFLOAT16 else (lambda a: a)
+    out = Exporter(storage(view), **named)
+    assert numba_rope.rotary_embedding(bare(x, **named), *caches, out=out) is out
+    written = gpu.off(base)
+    assert_bitwise_equal(written[..., ::-2], want)
+    assert not written[..., -2::-2].view(f"u{written.itemsize}").any()
+
+    in_place = bare(x, **named)
+    numba_rope.rotary_embedding(in_place, *caches, out=in_place)
+    assert_bitwise_equal(gpu.off(in_place._array).view(dtype), want)
+
+    q, k = bare(x, **named), bare(x[:, :1], **named)
+    got_q, got_k = numba_rope.rotary_embedding_qk(q, k, *caches, num_kv_heads=1)
+    assert_bitwise_equal(gpu.off(got_q), want)
+    assert_bitwise_equal(gpu.off(got_k), want[:, :1])
+
+    with pytest.raises(ValueError, match="out is a read-only array"):
+        numba_rope.rotary_embedding(bare(x, **named), *caches, out=bare(x, read_only=True, **named))
+    with pytest.raises(IndexError, match=r"position_ids\[0, 0\] = 40 is outside"):
+        bad = ids.copy()
+        bad[0, 0] = 40
+        numba_rope.rotary_embedding(bare(x, **named), *caches[:2], bare(bad))
+
+
+def test_streams_that_exporters_name_are_synchronized_first(rng, gpu, monkeypatch):
+    # The interface's version 3 asks a consumer to synchronize the stream an exporter
+    # names before using its data: each named stream once, not the call's own, none
+    # for exporters that name none. (Recorded, not run: in the simulator every stream
+    # is the default one, and these handles name no stream on a GPU.)
+    from numba_rope._cuda import backend
+
+    synchronized = []
+
+    class Recorded:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def synchronize(self):
+            synchronized.append(self.handle)
+
+    made = {}
+    real = backend.numba_stream
+
+    def recording(handle, ordinal=None):
+        if handle in (None, 0):
+            return real(handle, ordinal)
+        return made.setdefault(handle, Recorded(handle))
+
+    monkeypatch.setattr(backend, "numba_stream", recording)
+    x, cos, sin, ids = make_case(rng, (1, 2, 3, 8), np.float32)
+    caches = (Exporter(gpu.on(cos), stream=5), Exporter(gpu.on(sin), stream=2))
+    got = numba_rope.rotary_embedding(Exporter(gpu.on(x), stream=5), *caches, gpu.on(ids))
+    assert sorted(synchronized) == [2, 5]
+    assert_bitwise_equal(gpu.off(got), float32_contract(x, cos, sin, ids))
+
+    synchronized.clear()
+    numba_rope.rotary_embedding(Exporter(gpu.on(x)), gpu.on(cos), gpu.on(sin), gpu.on(ids))
+    assert synchronized == []
+
+    synchronized.clear()
+    own = made[5]  # the call's own stream (stream=) is not synchronized
+    monkeypatch.setattr(backend, "as_numba_stream", lambda stream, ordinal=None: stream)
+    unchecked = {"stream": own, "check_position_ids": False}  # (the check reads back on it)
+    numba_rope.rotary_embedding(Exporter(gpu.on(x), stream=5), *caches, gpu.on(ids), **unchecked)
+    assert synchronized == [2]
+
+
 def test_stream_is_ignored_for_numpy_arrays():
     x = np.ones((1, 1, 1, 2), np.float32)
     cache = np.ones((1, 1, 1), np.float32)

@@ -13,6 +13,7 @@ several. CuPy and torch are never imported here unless the caller passed their a
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from typing import Any
 
@@ -137,6 +138,28 @@ class CudaBackend:
             self.stream = as_numba_stream(stream, self.ordinal)
         else:
             self.stream = numba_stream(self._default_stream_handle(arrays[0]), self.ordinal)
+        self._wait_for_exporters(arrays, libraries)
+
+    def _wait_for_exporters(
+        self, arrays: tuple[Any, ...], libraries: tuple[str | None, ...]
+    ) -> None:
+        """Synchronize the streams that generic ``__cuda_array_interface__`` exporters
+        name (version 3's ``stream``: the stream on which their data may be used),
+        other than the call's own, as the interface asks of a consumer: the kernels then
+        read what the exporter's work wrote. Each stream once; none for exporters that
+        name none (``None``, or an interface before version 3). Numba device arrays,
+        CuPy arrays and torch tensors are read through their own attributes, on the
+        call's stream (their library's current stream, see :meth:`_default_stream_handle`),
+        as before."""
+        handles = {
+            exported_stream(array)
+            for array, library in zip(arrays, libraries, strict=True)
+            if library == "cuda"
+        }
+        for handle in sorted(handle for handle in handles if handle is not None):
+            stream = numba_stream(handle, self.ordinal)
+            if stream is not self.stream:
+                stream.synchronize()
 
     def _default_stream_handle(self, array: Any) -> int:
         library = self._library.get(id(array))
@@ -160,7 +183,14 @@ class CudaBackend:
         """``(shape, dtype)`` of an argument for validation, None for an absent one."""
         if array is None:
             return None
-        return tuple(array.shape), self.dtype_of(array)
+        return self.shape_of(array), self.dtype_of(array)
+
+    def shape_of(self, array: Any) -> tuple[int, ...]:
+        """An argument's shape: its ``shape``, or for a generic exporter the one its
+        ``__cuda_array_interface__`` gives (the interface needs no ``shape`` attribute)."""
+        if self._library.get(id(array)) == "cuda":
+            return tuple(array.__cuda_array_interface__["shape"])
+        return tuple(array.shape)
 
     def describe_out(self, array: Any) -> tuple[Any, ...] | None:
         """``(shape, dtype, writeable, distinct)`` of an output, None for an absent
@@ -171,7 +201,7 @@ class CudaBackend:
         read_only = self._library[id(array)] == "cuda" and array.__cuda_array_interface__["data"][1]
         view = self.view(array)
         distinct = elements_distinct(view.shape, view.strides, view.dtype.itemsize)
-        return tuple(array.shape), self.dtype_of(array), not read_only, distinct
+        return self.shape_of(array), self.dtype_of(array), not read_only, distinct
 
     def run(
         self,
@@ -281,7 +311,7 @@ class CudaBackend:
                 flat = first_bad_position(view, n_positions, self.stream, self.ordinal)
                 if flat >= 0:
                     value = int(view[flat // seq_len, flat % seq_len])
-                    raise position_error(flat, tuple(position_ids.shape), value, n_positions)
+                    raise position_error(flat, self.shape_of(position_ids), value, n_positions)
             return view
         if call.positions == "offset":
             offset = position_offset  # an int, or a 0-d array (CuPy, torch: int() reads it)
@@ -337,7 +367,7 @@ class CudaBackend:
     def empty_like(self, x: Any) -> Any:
         """A new C-contiguous array of ``x``'s library, shape and dtype, on its GPU."""
         library = self._library[id(x)]
-        shape = tuple(x.shape)
+        shape = self.shape_of(x)
         if library == "torch":
             import torch
 
@@ -587,6 +617,8 @@ def numba_view(array: Any, library: str, storage: np.dtype, transform=None):
         strides = interface.get("strides") or _c_strides(shape, storage.itemsize)
     if transform is not None:
         shape, strides = transform(shape, tuple(strides))
+    if SIMULATOR:  # a generic exporter (the others returned above): no device memory
+        return _simulated_view(pointer, tuple(shape), tuple(strides), storage)
     description = {
         "shape": tuple(shape),
         "strides": tuple(strides),
@@ -595,6 +627,28 @@ def numba_view(array: Any, library: str, storage: np.dtype, transform=None):
         "version": 3,
     }
     return cuda.from_cuda_array_interface(description, owner=array, sync=False)
+
+
+def exported_stream(array: Any) -> int | None:
+    """The stream a ``__cuda_array_interface__`` exporter names for its data (version
+    3's optional ``stream``: 1 the legacy default stream, 2 the per-thread one, else a
+    ``cudaStream_t``), or None where it names none."""
+    stream = array.__cuda_array_interface__.get("stream")
+    return None if stream is None else int(stream)
+
+
+def _simulated_view(pointer: int, shape: tuple, strides: tuple, storage: np.dtype) -> Any:
+    """In the CUDA simulator, whose device memory is host memory: a simulated device
+    array over the bytes an exporter's interface describes (the simulator has no
+    ``from_cuda_array_interface``). The exporter keeps the memory alive for the call."""
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    first, end = byte_span(pointer, shape, strides, storage.itemsize)
+    if end == first:  # no elements: nothing to point at
+        return FakeCUDAArray(np.empty(shape, storage))
+    memory = (ctypes.c_char * (end - first)).from_address(first)
+    host = np.ndarray(shape, storage, buffer=memory, offset=pointer - first, strides=strides)
+    return FakeCUDAArray(host)
 
 
 def _pointer(view) -> int:
