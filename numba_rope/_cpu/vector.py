@@ -776,7 +776,7 @@ def _stream_pairs(nontemporal, x_row, cos_row, sin_row, out_row, half, sign):
     the shuffle that joined two, float16 rows on one thread took 0.957-0.978x the time
     on the Zen 4 VM (the seed, a bshd (4, 256, 8, 128), (1, 32, 256, 128); a decode
     step 0.955-1.022x; one-process A/B, docs/performance.md, "Forty-seventh
-    session"). AVX2 code run there gained nothing (0.99-1.05x) and keeps the join.
+    session"). AVX2 code, run there, took 0.99-1.05x the time without it and keeps it.
 
     With ordinary stores (``nontemporal`` False) it is what LLVM's loop vectorizer
     makes of the element loop, without the tests it adds to every row (do the rows
