@@ -23,11 +23,14 @@ PARALLEL_MIN_ELEMENTS: int = 1 << 20
 #: share their work with one helper thread that the caller waits for only when it has
 #: taken a chunk (see ``numba_rope._cpu.helper``): a decode step (64, 32, 1, 128) in
 #: float32 goes twice as fast with it on two idle cores. Below it a call runs alone,
-#: by its compiled plan once repeated: on the 2-core Zen 4 VM alone took 0.98-1.11x
-#: the time of sharing at 64 Ki float32 elements, 0.94-1.07x float16, and 0.59-0.89x
-#: at 32 Ki elements of float16 and bfloat16 (1.26-1.51x at 128 Ki float32 and 64 Ki
-#: bfloat16).
-HELPER_MIN_ELEMENTS: int = 1 << 16
+#: by its compiled plan once repeated. On the 2-core Zen 4 VM, sharing took (one
+#: process, ``out=``, the helper of 2026-12-07) 0.73-0.87x the time of running alone at
+#: 32 Ki elements (the specification's example (2, 8, 4, 512) and (8, 32, 1, 128), in
+#: float32, float16 and bfloat16), 0.70-0.72x at 64 Ki, 0.90-1.01x at 16 Ki and
+#: 1.09-1.13x at 8 Ki (docs/performance.md, "Forty-seventh session"); on the Emerald
+#: Rapids VM the example 0.90-0.93x. (The helper of 2026-12-01 took 1.1-1.7x alone's
+#: time at 32 Ki on that Zen 4 VM; this was 64 Ki until then.)
+HELPER_MIN_ELEMENTS: int = 1 << 15
 
 #: How long the helper thread spins after its last chunk, waiting for the next call,
 #: before it sleeps (a sleeping helper joins a later call, never the one that wakes it).
