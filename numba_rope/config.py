@@ -28,8 +28,8 @@ PARALLEL_MIN_ELEMENTS: int = 1 << 20
 #: 32 Ki elements (the specification's example (2, 8, 4, 512) and (8, 32, 1, 128), in
 #: float32, float16 and bfloat16), 0.70-0.72x at 64 Ki, 0.90-1.01x at 16 Ki and
 #: 1.09-1.13x at 8 Ki (docs/performance.md, "Forty-seventh session"); on the Emerald
-#: Rapids VM the example 0.90-0.93x. (The helper of 2026-12-01 took 1.1-1.7x alone's
-#: time at 32 Ki on that Zen 4 VM; this was 64 Ki until then.)
+#: Rapids VM the example 0.90-0.93x. (This was 64 Ki until then: on 2026-12-01, with
+#: the helper of that day, sharing took 1.1-1.7x the time at 32 Ki on a Zen 4 VM.)
 HELPER_MIN_ELEMENTS: int = 1 << 15
 
 #: How long the helper thread spins after its last chunk, waiting for the next call,
