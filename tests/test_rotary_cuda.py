@@ -399,9 +399,10 @@ def test_streams_that_exporters_name_are_synchronized_first(rng, gpu, monkeypatc
 
     made = {}
     real = backend.numba_stream
+    real_handles = {None, 0}  # streams that launch (the call's own)
 
     def recording(handle, ordinal=None):
-        if handle in (None, 0):
+        if handle in real_handles:
             return real(handle, ordinal)
         return made.setdefault(handle, Recorded(handle))
 
@@ -416,12 +417,14 @@ def test_streams_that_exporters_name_are_synchronized_first(rng, gpu, monkeypatc
     numba_rope.rotary_embedding(Exporter(gpu.on(x)), gpu.on(cos), gpu.on(sin), gpu.on(ids))
     assert synchronized == []
 
-    synchronized.clear()
-    own = made[5]  # the call's own stream (stream=) is not synchronized
-    monkeypatch.setattr(backend, "as_numba_stream", lambda stream, ordinal=None: stream)
+    synchronized.clear()  # the call's own stream (stream=, a raw handle) is not synchronized
+    own = 7 if SIMULATOR else int(cuda.stream().handle.value)  # (kept alive by numba_rope)
+    real_handles.add(own)
+    monkeypatch.setattr(real(own), "synchronize", lambda: synchronized.append(own))
+    x_on_own = Exporter(gpu.on(x), stream=own)
     unchecked = {"stream": own, "check_position_ids": False}  # (the check reads back on it)
-    numba_rope.rotary_embedding(Exporter(gpu.on(x), stream=5), *caches, gpu.on(ids), **unchecked)
-    assert synchronized == [2]
+    numba_rope.rotary_embedding(x_on_own, *caches, gpu.on(ids), **unchecked)
+    assert sorted(synchronized) == [2, 5]  # the caches' streams; not the input's, own
 
 
 def test_stream_is_ignored_for_numpy_arrays():
