@@ -418,7 +418,8 @@ def test_streams_that_exporters_name_are_synchronized_first(rng, gpu, monkeypatc
     assert synchronized == []
 
     synchronized.clear()  # the call's own stream (stream=, a raw handle) is not synchronized
-    own = 7 if SIMULATOR else int(cuda.stream().handle.value)  # (kept alive by numba_rope)
+    own_stream = cuda.stream()  # held until the test ends: its handle stays valid
+    own = 7 if SIMULATOR else int(own_stream.handle.value)
     real_handles.add(own)
     monkeypatch.setattr(real(own), "synchronize", lambda: synchronized.append(own))
     x_on_own = Exporter(gpu.on(x), stream=own)
