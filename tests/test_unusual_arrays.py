@@ -235,8 +235,6 @@ def test_every_memory_order_is_rotated_exactly_on_the_gpu(rng, gpu, dtype):
     the rest of the device buffer untouched."""
     from itertools import permutations
 
-    from conftest import assert_matches_contract, gpu_views
-
     x = rng.standard_normal((2, 3, 4, 10)).astype(dtype)
     cos = rng.standard_normal((9, 4)).astype(dtype)
     sin = rng.standard_normal((9, 4)).astype(dtype)
@@ -249,9 +247,9 @@ def test_every_memory_order_is_rotated_exactly_on_the_gpu(rng, gpu, dtype):
         buffer = view.base
         while buffer.base is not None:
             buffer = buffer.base
-        device_buffer, device_view = gpu_views(buffer, view)
+        device_buffer, device_view = gpu.views(buffer, view)
         got = gpu.off(numba_rope.rotary_embedding(device_view, *caches, **options))
-        assert_matches_contract(got, x, cos, sin, ids, True, 8)
+        gpu.assert_contract(got, x, cos, sin, ids, True, 8)
         numba_rope.rotary_embedding(device_view, *caches, out=device_view, **options)
         after = gpu.off(device_buffer)
         region = tuple(slice(0, x.shape[i]) for i in order)
