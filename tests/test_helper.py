@@ -609,3 +609,149 @@ def test_without_a_futex_the_helper_sleeps_in_steps_and_still_joins(rng, monkeyp
         own.stop()
     assert shared > 0
     assert own.block[relay.STATE] == relay.STOPPED and own.block[relay.SLEEPING] == 0
+
+
+#: Linux moves a thread whose CPUs no longer include its own at once; elsewhere the
+#: helper does not move (``relay.GETCPU`` is 0).
+LINUX_WITH_CPUS = pytest.mark.skipif(
+    not sys.platform.startswith("linux")
+    or not hasattr(os, "sched_getaffinity")
+    or len(os.sched_getaffinity(0)) < 2
+    or not helper.Helper().block[relay.GETCPU],
+    reason="keep_apart moves threads on Linux, with a second CPU to move to",
+)
+
+
+def _on_cpu(cpu, allowed):
+    """Put the calling thread on ``cpu`` (its CPUs narrowed to it, which moves it), then
+    give it ``allowed`` back: it stays there until the scheduler moves it."""
+    os.sched_setaffinity(0, {cpu})
+    os.sched_setaffinity(0, allowed)
+
+
+def _current_cpu() -> int:
+    getcpu = ctypes.CDLL(None).sched_getcpu
+    getcpu.restype = ctypes.c_int
+    return getcpu()
+
+
+def _in_a_thread(function):
+    """``function()``'s result, run on a new thread (whose CPUs it may change)."""
+    results = []
+    thread = threading.Thread(target=lambda: results.append(function()))
+    thread.start()
+    thread.join()
+    return results[0]
+
+
+@LINUX_WITH_CPUS
+def test_a_helper_on_the_callers_cpu_moves_off_it_and_keeps_its_cpus():
+    # relay.keep_apart on a thread standing in for the helper: on the CPU the caller
+    # last ran on it moves to another (its CPUs set to the others, then set back) and
+    # counts the move; with the caller's CPU not known, or no other CPU to go to, it
+    # stays.
+    allowed = os.sched_getaffinity(0)
+    cpu = min(allowed)
+    unstarted = helper.Helper()  # its addresses, masks and system calls only
+    block = unstarted.block
+    keep_apart = numba.njit(lambda block: relay.keep_apart(block))
+
+    def on_the_callers_cpu():
+        # The scheduler may move the thread between the two reads of its CPU (here and
+        # in keep_apart): then nothing moves it, and the next try is the test.
+        for _ in range(50):
+            _on_cpu(cpu, allowed)
+            here = _current_cpu()
+            block[relay.CALLER_CPU] = here
+            keep_apart(block)
+            if block[relay.MOVES]:
+                return here, _current_cpu(), os.sched_getaffinity(0)
+        return here, here, os.sched_getaffinity(0)
+
+    was, moved_to, cpus = _in_a_thread(on_the_callers_cpu)
+    assert block[relay.MOVES] == 1
+    assert moved_to != was and moved_to in allowed
+    assert cpus == allowed
+
+    def caller_not_known():
+        _on_cpu(cpu, allowed)
+        block[relay.CALLER_CPU] = -1  # no job published yet
+        keep_apart(block)
+        return os.sched_getaffinity(0)
+
+    assert _in_a_thread(caller_not_known) == allowed
+    assert block[relay.MOVES] == 1
+
+    def on_one_cpu():
+        os.sched_setaffinity(0, {cpu})
+        block[relay.CALLER_CPU] = cpu
+        keep_apart(block)
+        return _current_cpu(), os.sched_getaffinity(0)
+
+    assert _in_a_thread(on_one_cpu) == (cpu, {cpu})
+    assert block[relay.MOVES] == 1
+
+
+def test_calls_run_alone_share_again_once_the_helper_has_moved(rng):
+    # A helper that has moved off the caller's CPU (MOVES changed) has a core again:
+    # calls running alone for want of it publish at once, without waiting for a probe.
+    x, cos, sin, ids = make_case(rng, (4, 6, 3, 16), np.float32, n_positions=16)
+    block = np.zeros(relay.BLOCK_SLOTS, np.int64)
+    block[relay.SYSCALL] = 1  # as if there were a futex (no helper sleeps on it here)
+    block[relay.MISSES] = relay.MISSES_BEFORE_ALONE
+    block[relay.SKIPPED] = 1  # between probes
+    options = (False, False, True, 0, False, False, False)
+    chosen = cpu_backend.kernels(*options)
+    relayed, runner = chosen.relayed, chosen.runner(x, None, cos, sin, ids)
+    out = np.empty_like(x)
+
+    def call():
+        before = block[relay.GENERATION]
+        status = relayed(x, None, cos, sin, ids, out, None, 16, True, 1024, 2, 8, block, runner)
+        assert status == DONE
+        return block[relay.GENERATION] != before
+
+    assert not call()  # alone
+    block[relay.MOVES] += 1
+    assert call()  # published: a miss (no helper here) counted from 0 again
+    assert block[relay.MISSES] == 1 and block[relay.MOVES_SEEN] == block[relay.MOVES]
+    assert all(call() for _ in range(relay.MISSES_BEFORE_ALONE - 1))
+    assert not call()  # alone again after as many misses as ever
+    assert_bitwise_equal(out, float32_contract(x, cos, sin, ids))
+
+
+@TWO_THREADS
+@LINUX_WITH_CPUS
+def test_a_helper_put_on_the_callers_cpu_ends_off_it(rng, monkeypatch):
+    # The caller kept on one CPU, the helper put there too: every call gives the
+    # contract's bits, each published job names the caller's CPU, and within a few
+    # calls the helper runs elsewhere with its CPUs as they were (keep_apart when a
+    # job wakes it or while it spins; the scheduler may move it first, so this does
+    # not show which did: the test above does, on a thread of its own).
+    allowed = os.sched_getaffinity(0)
+    own = helper.Helper()
+    monkeypatch.setattr(helper, "_helper", own)
+    monkeypatch.setattr(config, "HELPER_MIN_ELEMENTS", 0)
+    x, cos, sin, ids = make_case(rng, (64, 16, 1, 128), np.float32, n_positions=256)
+    expected = float32_contract(x, cos, sin, ids)
+    cpu = _current_cpu()
+    os.sched_setaffinity(0, {cpu})
+    try:
+        assert_bitwise_equal(numba_rope.rotary_embedding(x, cos, sin, ids), expected)
+        helper_id = own.thread.native_id
+        os.sched_setaffinity(helper_id, {cpu})
+        os.sched_setaffinity(helper_id, allowed)
+
+        def helper_cpu():
+            with open(f"/proc/self/task/{helper_id}/stat") as stat:
+                return int(stat.read().rsplit(")", 1)[1].split()[36])
+
+        deadline = time.monotonic() + 10
+        while helper_cpu() == cpu and time.monotonic() < deadline:
+            assert_bitwise_equal(numba_rope.rotary_embedding(x, cos, sin, ids), expected)
+        assert helper_cpu() != cpu
+        assert os.sched_getaffinity(helper_id) == allowed
+        assert own.block[relay.CALLER_CPU] == cpu
+    finally:
+        os.sched_setaffinity(0, allowed)
+        own.stop()

@@ -16,6 +16,12 @@ Not used where it cannot help: one numba thread (``numba.set_num_threads(1)`` or
 ``NUMBA_NUM_THREADS=1``), or calls below ``config.HELPER_MIN_ELEMENTS``. After
 ``os.fork`` the child starts its own helper when it needs one; at exit the helper is
 stopped before the interpreter tears down.
+
+On Linux the helper keeps off the CPU of the caller whose job it serves: a helper that
+finds itself there, when a job wakes it or while it spins, moves to another CPU the
+process may use (:func:`numba_rope._cpu.relay.keep_apart`). Two threads on one CPU
+take turns rather than share the work, and the scheduler of a virtual machine tends to
+leave them so.
 """
 
 from __future__ import annotations
@@ -39,6 +45,14 @@ from numba_rope._jit import thread_count
 
 #: The futex system call's number, by machine (Linux).
 _FUTEX_NUMBERS = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
+
+#: The numbers of sched_getaffinity and sched_setaffinity, by machine (Linux).
+_AFFINITY_NUMBERS = {
+    "x86_64": (204, 203),
+    "amd64": (204, 203),
+    "aarch64": (123, 122),
+    "arm64": (123, 122),
+}
 
 
 def _libc_address(posix: str, windows: str | None) -> int:
@@ -80,11 +94,21 @@ class Helper:
         self.yield_address = _libc_address("sched_yield", "SwitchToThread")
         self.sleep_address = _libc_address("usleep", "Sleep")
         self.block[relay.SLEEP_UNIT] = 1000 if os.name == "nt" else 1  # Sleep takes ms
-        futex = _FUTEX_NUMBERS.get(platform.machine().lower())
+        machine = platform.machine().lower()
+        futex = _FUTEX_NUMBERS.get(machine)
+        #: The CPU masks the helper reads and sets to move off the caller's CPU
+        #: (relay.keep_apart): the thread's own, then the same less one CPU.
+        self.masks = np.zeros(2 * relay.MASK_WORDS, np.int64)
         if sys.platform.startswith("linux") and futex is not None:
             self.block[relay.SYSCALL] = _libc_address("syscall", None)
             self.block[relay.FUTEX] = futex
             self.block[relay.TIMESPEC : relay.TIMESPEC + 2] = (0, 100_000_000)  # 100 ms
+            affinity = _AFFINITY_NUMBERS.get(machine)
+            if self.block[relay.SYSCALL] and affinity is not None:
+                self.block[relay.GETCPU] = _libc_address("sched_getcpu", None)
+                self.block[relay.MASKS] = self.masks.ctypes.data
+                self.block[relay.GET_AFFINITY], self.block[relay.SET_AFFINITY] = affinity
+        self.block[relay.CALLER_CPU] = -1
 
     def start(self) -> None:
         """Start the helper thread unless it runs, and give it this moment's
