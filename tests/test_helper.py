@@ -692,6 +692,43 @@ def test_a_helper_on_the_callers_cpu_moves_off_it_and_keeps_its_cpus():
     assert block[relay.MOVES] == 1
 
 
+@LINUX_WITH_CPUS
+def test_a_sleeping_helper_is_woken_with_the_callers_cpu_taken_out_of_its_cpus():
+    # What a caller does around waking the helper (relay.open_claims), on a thread
+    # asleep: its CPUs less the caller's (the kernel then wakes it on another), then
+    # its CPUs back; nothing where no other CPU is allowed.
+    allowed = os.sched_getaffinity(0)
+    cpu = min(allowed)
+    unstarted = helper.Helper()
+    block = unstarted.block
+    masks = block[relay.MASKS] + 16 * relay.MASK_WORDS  # the callers' two
+    exclude = numba.njit(
+        lambda block, thread, cpu, masks: relay.exclude_cpu(block, thread, cpu, masks)
+    )
+    restore = numba.njit(lambda block, thread, masks: relay.restore_cpus(block, thread, masks))
+    asleep, done = threading.Event(), threading.Event()
+
+    def sleeper():
+        asleep.set()
+        done.wait()
+
+    thread = threading.Thread(target=sleeper)
+    thread.start()
+    asleep.wait()
+    try:
+        assert exclude(block, thread.native_id, cpu, masks)
+        assert os.sched_getaffinity(thread.native_id) == allowed - {cpu}
+        restore(block, thread.native_id, masks)
+        assert os.sched_getaffinity(thread.native_id) == allowed
+        os.sched_setaffinity(thread.native_id, {cpu})
+        assert not exclude(block, thread.native_id, cpu, masks)
+        assert os.sched_getaffinity(thread.native_id) == {cpu}
+        assert not exclude(block, thread.native_id, 64 * relay.MASK_WORDS, masks)
+    finally:
+        done.set()
+        thread.join()
+
+
 def test_calls_run_alone_share_again_once_the_helper_has_moved(rng):
     # A helper that has moved off the caller's CPU (MOVES changed) has a core again:
     # calls running alone for want of it publish at once, without waiting for a probe.

@@ -96,9 +96,9 @@ class Helper:
         self.block[relay.SLEEP_UNIT] = 1000 if os.name == "nt" else 1  # Sleep takes ms
         machine = platform.machine().lower()
         futex = _FUTEX_NUMBERS.get(machine)
-        #: The CPU masks the helper reads and sets to move off the caller's CPU
-        #: (relay.keep_apart): the thread's own, then the same less one CPU.
-        self.masks = np.zeros(2 * relay.MASK_WORDS, np.int64)
+        #: The CPU masks read and set to keep the helper off the caller's CPU
+        #: (relay.exclude_cpu): the helper's two, then the callers' two.
+        self.masks = np.zeros(4 * relay.MASK_WORDS, np.int64)
         if sys.platform.startswith("linux") and futex is not None:
             self.block[relay.SYSCALL] = _libc_address("syscall", None)
             self.block[relay.FUTEX] = futex
@@ -133,6 +133,8 @@ class Helper:
                 daemon=True,
             )
             self.thread.start()
+            if self.block[relay.MASKS]:  # callers wake it off their CPU (open_claims)
+                self.block[relay.HELPER_THREAD] = self.thread.native_id or 0
 
     def stop(self) -> None:
         """Ask the helper to stop and wait (a second at most) for it."""
