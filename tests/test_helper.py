@@ -235,6 +235,7 @@ def test_after_missed_jobs_calls_run_alone_and_probe_twice_in_a_row(rng):
     x, cos, sin, ids = make_case(rng, (4, 6, 3, 16), np.float32, n_positions=16)
     block = np.zeros(relay.BLOCK_SLOTS, np.int64)
     block[relay.SYSCALL] = 1  # as if there were a futex (no helper sleeps on it here)
+    block[relay.MOVES] = 5  # the helper's moves so far: taken as calls go alone
     options = (False, False, True, 0, False, False, False)
     chosen = cpu_backend.kernels(*options)
     relayed, runner = chosen.relayed, chosen.runner(x, None, cos, sin, ids)
@@ -251,7 +252,7 @@ def test_after_missed_jobs_calls_run_alone_and_probe_twice_in_a_row(rng):
     probes = [alone + relay.PROBE_EVERY - 2, alone + relay.PROBE_EVERY - 1]
     probes += [p + relay.PROBE_EVERY for p in probes]
     assert published == list(range(alone)) + probes
-    assert block[relay.MISSES] == alone + 4
+    assert block[relay.MISSES] == alone + 4 and block[relay.MOVES_SEEN] == 5
     # The helper finished a chunk of the next job: it is back, calls publish again.
     block[relay.MISSES] = 0
     block[relay.SKIPPED] = 0
@@ -737,6 +738,7 @@ def test_calls_run_alone_share_again_once_the_helper_has_moved(rng):
     block[relay.SYSCALL] = 1  # as if there were a futex (no helper sleeps on it here)
     block[relay.MISSES] = relay.MISSES_BEFORE_ALONE
     block[relay.SKIPPED] = 1  # between probes
+    block[relay.MOVES] = block[relay.MOVES_SEEN] = 3  # moves before calls went alone
     options = (False, False, True, 0, False, False, False)
     chosen = cpu_backend.kernels(*options)
     relayed, runner = chosen.relayed, chosen.runner(x, None, cos, sin, ids)

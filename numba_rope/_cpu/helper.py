@@ -17,11 +17,12 @@ Not used where it cannot help: one numba thread (``numba.set_num_threads(1)`` or
 ``os.fork`` the child starts its own helper when it needs one; at exit the helper is
 stopped before the interpreter tears down.
 
-On Linux the helper keeps off the CPU of the caller whose job it serves: a helper that
-finds itself there, when a job wakes it or while it spins, moves to another CPU the
-process may use (:func:`numba_rope._cpu.relay.keep_apart`). Two threads on one CPU
-take turns rather than share the work, and the scheduler of a virtual machine tends to
-leave them so.
+On Linux the helper keeps off the CPU of the caller whose job it serves: a call wakes
+it with the caller's CPU taken out of its CPUs for the moment, and a helper that finds
+itself there, when a job wakes it or while it spins, moves to another CPU the process
+may use (:func:`numba_rope._cpu.relay.open_claims`, :func:`~numba_rope._cpu.relay.keep_apart`).
+Two threads on one CPU take turns rather than share the work, and the scheduler of a
+virtual machine tends to leave them so.
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ class Helper:
         """Ask the helper to stop and wait (a second at most) for it."""
         block = self.block
         block[relay.STOP] = 1
+        block[relay.HELPER_THREAD] = 0  # callers no longer touch its CPUs
         if block[relay.SYSCALL] and block[relay.SLEEPING]:
             block[relay.SLEEPING] = 0
             syscall = ctypes.CFUNCTYPE(ctypes.c_long, *(ctypes.c_long,) * 5)

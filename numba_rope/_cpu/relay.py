@@ -81,7 +81,7 @@ GENERATION = 17
 SKIPPED = 18  # calls run alone since MISSES reached MISSES_BEFORE_ALONE
 HANDED = 19
 CALLER_CPU = 20  # the CPU the last published job's caller ran on (-1: not known)
-MOVES_SEEN = 21  # MOVES when a caller last looked (worth_sharing)
+MOVES_SEEN = 21  # MOVES when calls went alone, or last shared again (worth_sharing)
 RUNNER = 24
 CHUNKS = 25
 MISSES = 26  # jobs in a row the helper took no chunk of
@@ -95,7 +95,7 @@ SYSCALL = 38  # address of the C library's ``syscall`` (Linux), else 0
 FUTEX = 39  # the futex system call's number on this machine
 ARGUMENTS = 40
 GETCPU = 120  # address of the C library's ``sched_getcpu`` (Linux), else 0
-MASKS = 121  # address of the helper's CPU masks: 2 x MASK_WORDS int64 words
+MASKS = 121  # address of the CPU masks: 4 x MASK_WORDS int64 words (exclude_cpu)
 GET_AFFINITY = 122  # the system calls sched_getaffinity and sched_setaffinity
 SET_AFFINITY = 123
 HELPER_THREAD = 124  # the helper thread's id (Linux, once it runs), else 0
@@ -492,6 +492,8 @@ def finish(block, n_chunks, own):
         pause()
     if own == n_chunks:
         block[MISSES] += 1
+        if block[MISSES] == MISSES_BEFORE_ALONE:  # calls go alone: moves from now on count
+            block[MOVES_SEEN] = atomic_load(block, MOVES)
     else:
         put(block, MISSES, 0)  # a line the helper reads at every turn
         block[SKIPPED] = 0
@@ -518,8 +520,9 @@ def worth_sharing(block):
     calls run alone and look again every :data:`PROBE_EVERY` calls, while the helper
     sleeps instead of spinning (:func:`serve`). Without a futex (not Linux) calls keep
     publishing: the sleeping helper, looking in between its sleeps, could otherwise
-    only join a probe. A helper that has just moved off this caller's CPU
-    (:func:`keep_apart`; ``MOVES`` changed) has a core again: calls publish at once."""
+    only join a probe. A helper that has moved off the caller's CPU since calls went
+    alone (:func:`keep_apart`; ``MOVES`` changed since :func:`finish` counted the last
+    miss) has a core again: calls publish at once."""
     if block[MISSES] < MISSES_BEFORE_ALONE or block[SYSCALL] == 0:
         return True  # without a futex publishing wakes nobody and costs little
     moves = atomic_load(block, MOVES)
@@ -609,11 +612,12 @@ def keep_apart(block):
     On one CPU the two threads take turns: the helper claims nothing while the caller
     runs, and its spinning after a wake takes the caller's time (a float32 decode step
     (64, 32, 1, 128) took 58-72 us a call so, against 41 alone and 32 shared, on the
-    2-core Zen 4 VM). Linux leaves them there: in a KVM guest an idle virtual CPU looks
-    preempted, so a thread woken by one running on the CPU it last ran on is woken
-    there (375 of 400 wakes in a C test, after the waker had slept). Called where the
-    helper is woken by a job and at each ``sched_yield`` of its spinning. Counts each
-    move in ``MOVES``."""
+    2-core Zen 4 VM). Linux leaves them there, and in a KVM guest often puts them
+    there: an idle virtual CPU reports itself preempted, so a thread is often woken on
+    the CPU of the thread that wakes it (375 of 400 wakes in a C test where the waker
+    slept now and then, 2 of 400 where it never slept). Called where the helper is
+    woken by a job and at each ``sched_yield`` of its spinning (callers also wake it
+    off their CPU, see :func:`open_claims`). Counts each move in ``MOVES``."""
     if block[GETCPU] == 0:
         return
     cpu = call_address0(block[GETCPU])
