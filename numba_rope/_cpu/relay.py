@@ -253,46 +253,41 @@ def call_runner(typingctx, address, block, chunk):
     return types.void(types.int64, block, types.int64), codegen
 
 
+def _words_view(context, builder, address, count):
+    """A C-contiguous int64 array of ``count`` (an LLVM value) words at ``address``."""
+    view = context.make_array(types.Array(types.int64, 1, "C"))(context, builder)
+    populate_array(
+        view,
+        data=builder.inttoptr(address, context.get_data_type(types.int64).as_pointer()),
+        shape=cgutils.pack_array(builder, [count]),
+        strides=cgutils.pack_array(builder, [context.get_constant(types.intp, 8)]),
+        itemsize=context.get_constant(types.intp, 8),
+        meminfo=None,
+    )
+    return view._getvalue()
+
+
 @intrinsic
 def block_at(typingctx, address):
     """The control block at ``address``, as a C-contiguous int64 array of
     :data:`BLOCK_SLOTS` slots (no copy, no reference count)."""
-    block_type = types.Array(types.int64, 1, "C")
 
     def codegen(context, builder, signature, args):
-        view = context.make_array(block_type)(context, builder)
-        populate_array(
-            view,
-            data=builder.inttoptr(args[0], context.get_data_type(types.int64).as_pointer()),
-            shape=cgutils.pack_array(builder, [context.get_constant(types.intp, BLOCK_SLOTS)]),
-            strides=cgutils.pack_array(builder, [context.get_constant(types.intp, 8)]),
-            itemsize=context.get_constant(types.intp, 8),
-            meminfo=None,
-        )
-        return view._getvalue()
+        slots = context.get_constant(types.intp, BLOCK_SLOTS)
+        return _words_view(context, builder, args[0], slots)
 
-    return block_type(types.int64), codegen
+    return types.Array(types.int64, 1, "C")(types.int64), codegen
 
 
 @intrinsic
 def words_at(typingctx, address, count):
     """``count`` int64 words at ``address``, as a C-contiguous array (no copy, no
     reference count)."""
-    words_type = types.Array(types.int64, 1, "C")
 
     def codegen(context, builder, signature, args):
-        view = context.make_array(words_type)(context, builder)
-        populate_array(
-            view,
-            data=builder.inttoptr(args[0], context.get_data_type(types.int64).as_pointer()),
-            shape=cgutils.pack_array(builder, [args[1]]),
-            strides=cgutils.pack_array(builder, [context.get_constant(types.intp, 8)]),
-            itemsize=context.get_constant(types.intp, 8),
-            meminfo=None,
-        )
-        return view._getvalue()
+        return _words_view(context, builder, args[0], args[1])
 
-    return words_type(types.int64, types.int64), codegen
+    return types.Array(types.int64, 1, "C")(types.int64, types.int64), codegen
 
 
 @intrinsic
