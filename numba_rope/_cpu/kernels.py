@@ -875,36 +875,57 @@ def run_job(x, k, cos, sin, positions, out, out_k, rotary_dim, tile, n_groups, n
             runner, block, shared):  # fmt: skip
     """Rotate a checked call by the runner at ``runner``: its arguments written into
     ``block``, all units as one chunk on the calling thread; or, where ``shared`` is
-    the helper thread's control block (:mod:`numba_rope._cpu.relay`), this caller owns
-    it and the helper has had a core of late (``relay.worth_sharing``), the job
-    published there in ``n_chunks`` chunks, which the caller takes from the front and
-    the helper from the back. Alone when another caller's job is running."""
+    the helper thread's control block (:mod:`numba_rope._cpu.relay`), shared with the
+    helper by :func:`_shared_job` when this caller may publish it there."""
     n_units = _n_units(x.shape[0], x.shape[2], tile, n_groups)
-    publishing = False
     if shared is not None:
-        owner = relay.take_ownership(shared)
-        if owner and relay.worth_sharing(shared):
-            block = shared
-            publishing = True
-        elif owner:
-            relay.release(shared)
-    # One call of each (two inlined copies of the stores trip numba's SSA pass).
+        if _shared_job(x, k, cos, sin, positions, out, out_k, rotary_dim, tile, n_groups,
+                       n_units, n_chunks, runner, shared):  # fmt: skip
+            return
     relay.store_job(block, x, out, cos, sin, positions, rotary_dim, tile, n_groups, n_units)
     if k is not None:
         relay.store_array(block, relay.K_AT, k)
         relay.store_array(block, relay.OUT_K_AT, out_k)
-    if not publishing:
-        block[relay.CHUNKS] = 1
-        relay.call_runner(runner, block, 0)
-        return
-    relay.publish(block, runner, n_chunks)
+    block[relay.CHUNKS] = 1
+    relay.call_runner(runner, block, 0)
+
+
+@cached_njit()
+def _shared_job(x, k, cos, sin, positions, out, out_k, rotary_dim, tile, n_groups, n_units,
+                n_chunks, runner, shared):  # fmt: skip
+    """Run a checked call's ``n_units`` units with the helper thread whose control
+    block is ``shared``, where this caller owns the block and the helper has had a core
+    of late (``relay.worth_sharing``): the job published there in ``n_chunks`` chunks,
+    which the caller takes from the front and the helper from the back. True when so
+    run; False, nothing written, when the caller must run it alone (another caller's
+    job running, or a helper without a core of late).
+
+    A function of its own, not inlined into :func:`run_job`: numba copies an inlined
+    function's IR with every branch before it drops the dead ones, so the kernels that
+    never share (:func:`serial`, the plans of calls on the calling thread) copied this
+    code and the helper's protocol under it at each compilation (1.4-1.7 s of a plan's
+    3.1-3.4 s in numba's inlining pass on the Zen 4 VM; 0.5 s of 2.0 s since). LLVM
+    inlines it back into the kernels that share: their machine code calls no function
+    for it."""
+    if not relay.take_ownership(shared):
+        return False
+    if not relay.worth_sharing(shared):
+        relay.release(shared)
+        return False
+    # One call of each (two inlined copies of the stores trip numba's SSA pass).
+    relay.store_job(shared, x, out, cos, sin, positions, rotary_dim, tile, n_groups, n_units)
+    if k is not None:
+        relay.store_array(shared, relay.K_AT, k)
+        relay.store_array(shared, relay.OUT_K_AT, out_k)
+    relay.publish(shared, runner, n_chunks)
     own = 0
     chunk = 0  # taken as the job opened
     while chunk < n_chunks:
-        relay.call_runner(runner, block, chunk)
+        relay.call_runner(runner, shared, chunk)
         own += 1
-        chunk = relay.claim_own(block)
-    relay.finish(block, n_chunks, own)
+        chunk = relay.claim_own(shared)
+    relay.finish(shared, n_chunks, own)
+    return True
 
 
 @cached_njit(any_layout=True)
