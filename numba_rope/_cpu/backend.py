@@ -972,7 +972,8 @@ PLANS_PER_KEY = 4
 #: Calls a Python plan runs (see :func:`make_plan`) before its signature gets a compiled
 #: plan: making one compiles, the first time on a machine, a runner for the kernel
 #: options (if no helper job has) and ``kernels.planned`` for the arrays' types, about
-#: 2 s each on a 2-core VM, which a signature called a few times (as most of the tests do) would not repay.
+#: 2 s each on a 2-core VM, which a signature called a few times (as most of the tests
+#: do) would not repay.
 FAST_AFTER = 8
 
 

@@ -897,7 +897,7 @@ def _shared_job(x, k, cos, sin, positions, out, out_k, rotary_dim, tile, n_group
     block is ``shared``, where this caller owns the block and the helper has had a core
     of late (``relay.worth_sharing``): the job published there in ``n_chunks`` chunks,
     which the caller takes from the front and the helper from the back. True when so
-    run; False, nothing written, when the caller must run it alone (another caller's
+    run; False, none of it run, when the caller must run it alone (another caller's
     job running, or a helper without a core of late).
 
     A function of its own, not inlined into :func:`run_job`: numba copies an inlined
