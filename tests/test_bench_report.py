@@ -111,6 +111,87 @@ def test_numba_cpu_name_and_features_override_the_host(monkeypatch):
         assert found["llvm"] == ["avx2", "fma", "f16c"] and "avx512f" in found["absent"]
 
 
+def test_a_cpu_named_without_features_shows_what_its_model_implies(monkeypatch):
+    import numba
+
+    monkeypatch.setattr(numba.config, "CPU_FEATURES", "")  # NUMBA_CPU_FEATURES=""
+    if report_module.vector_extensions()["llvm"][:1] == ["neon"]:
+        pytest.skip("x86 CPU names")
+    for name, present in (
+        ("haswell", ["avx2", "fma", "f16c"]),
+        ("znver4", ["avx512f", "avx512bw", "avx512vl", "avx512bf16", "avx2", "fma", "f16c"]),
+        ("generic", []),
+    ):
+        monkeypatch.setattr(numba.config, "CPU_NAME", name)
+        found = report_module.vector_extensions()
+        assert found["llvm"] == present, name
+        assert f"numba/LLVM CPU {name}" in found["summary"]
+        assert found["summary"].startswith(
+            "vector extensions: none of " if not present else "vector extensions: AVX"
+        )
+    monkeypatch.setattr(numba.config, "CPU_NAME", "some-future-core")
+    found = report_module.vector_extensions()
+    assert found["llvm"] == [] and found["absent"] == []
+    assert "CPU model some-future-core implies" in found["summary"]
+
+
+# Each extension's tell in LLVM's own code for a CPU name: the oracle of the bench's
+# table of names (report_module._NAMED). FMA4's ``vfmaddps`` (AMD's Bulldozers, which
+# LLVM prefers there) does not tell FMA3 apart; AVX-NE-CONVERT's ``vcvtneps2bf16`` on
+# ymm is not AVX512_BF16.
+_PROBES = {
+    "avx512f": ("<16 x float>", "fadd <16 x float> %a, %a", "<16 x float>", r"vaddps\s+%zmm"),
+    "avx512bw": ("<64 x i8>", "add <64 x i8> %a, %a", "<64 x i8>", r"vpaddb\s+%zmm"),
+    "avx512vl": ("<8 x float>", "fptoui <8 x float> %a to <8 x i32>", "<8 x i32>",
+                 r"vcvttps2udq\s+%ymm"),
+    "avx2": ("<8 x i32>", "add <8 x i32> %a, %a", "<8 x i32>", r"vpaddd\s+%ymm"),
+    "fma": ("<8 x float>",
+            "call <8 x float> @llvm.fma.v8f32(<8 x float> %a, <8 x float> %a, <8 x float> %a)",
+            "<8 x float>", r"vfmadd\d{3}ps"),
+    "f16c": ("<8 x half>", "fpext <8 x half> %a to <8 x float>", "<8 x float>", r"vcvtph2ps"),
+    "avx512bf16": ("<16 x float>", "fptrunc <16 x float> %a to <16 x bfloat>", "<16 x bfloat>",
+                   r"vcvtneps2bf16\s+%zmm"),
+    "avx512fp16": ("<32 x half>", "fadd <32 x half> %a, %a", "<32 x half>", r"vaddph\s+%zmm"),
+}  # fmt: skip
+
+
+def test_the_table_of_cpu_names_agrees_with_llvms_code_for_them(capfd):
+    import re
+
+    import llvmlite.binding as llvm
+    from numba.core.codegen import initialize_llvm
+
+    if report_module.vector_extensions()["llvm"][:1] == ["neon"]:
+        pytest.skip("x86 CPU names")
+    initialize_llvm()
+    target = llvm.Target.from_triple(llvm.get_process_triple())
+    checked = 0
+    for name in sorted(report_module._F16C_NAMED | report_module._PLAIN_NAMED):
+        machine = target.create_target_machine(cpu=name, features="", opt=2)
+        capfd.readouterr()
+        code = {}
+        for feature, (argument, instruction, result, _) in _PROBES.items():
+            if feature == "avx512bf16" and llvm.llvm_version_info < (17,):
+                continue  # no bfloat vectors before LLVM 17
+            module = llvm.parse_assembly(
+                "declare <8 x float> @llvm.fma.v8f32(<8 x float>, <8 x float>, <8 x float>)\n"
+                f"define {result} @f({argument} %a) {{\n  %r = {instruction}\n"
+                f"  ret {result} %r\n}}\n"
+            )
+            code[feature] = machine.emit_assembly(module)
+        if "not a recognized processor" in capfd.readouterr().err:
+            continue  # a name newer than this LLVM
+        implied = report_module._implied_by_name(name)
+        assert implied is not None
+        for feature, text in code.items():
+            if feature == "fma" and "vfmaddps" in text:
+                continue  # FMA4 chosen: says nothing of FMA3
+            found = re.search(_PROBES[feature][3], text) is not None
+            assert found == (feature in implied), (name, feature)
+        checked += 1
+    assert checked >= 40
+
+
 def test_header_and_json_carry_the_vector_extensions(monkeypatch, tmp_path, capsys):
     _quiet(monkeypatch)
     path = tmp_path / "bench.json"

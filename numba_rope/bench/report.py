@@ -103,6 +103,56 @@ VECTOR_EXTENSIONS = {
 _X86 = ("avx512f", "avx512bw", "avx512vl", "avx512bf16", "avx512fp16", "avx2", "fma", "f16c")
 _ARM = ("neon", "fullfp16", "bf16", "sve", "sve2")
 
+# A CPU named without features (``NUMBA_CPU_NAME`` with ``NUMBA_CPU_FEATURES=""``, as
+# the tests compile other CPUs' code) gets the features LLVM's CPU model of that name
+# implies, which no feature string shows: these are the x86 names LLVM 14-22 knows with
+# each of ``_X86``'s extensions. A name in none of them (older CPUs, or one added to
+# LLVM later) is shown as unknown, not as having none.
+_FP16_NAMED = frozenset(
+    {"sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d", "diamondrapids"}
+)
+_BF16_NAMED = _FP16_NAMED | {"cooperlake", "znver4", "znver5"}
+_AVX512_NAMED = _BF16_NAMED | {
+    "skylake-avx512", "skx", "cascadelake", "cannonlake", "icelake-client",
+    "icelake-server", "tigerlake", "rocketlake", "x86-64-v4",
+}  # fmt: skip
+_AVX2_NAMED = _AVX512_NAMED | {
+    "haswell", "core-avx2", "broadwell", "skylake", "alderlake", "raptorlake",
+    "meteorlake", "arrowlake", "arrowlake-s", "lunarlake", "pantherlake", "gracemont",
+    "sierraforest", "grandridge", "clearwaterforest", "znver1", "znver2", "znver3",
+    "bdver4", "x86-64-v3",
+}  # fmt: skip
+_FMA_NAMED = _AVX2_NAMED | {"bdver2", "bdver3"}
+_F16C_NAMED = _FMA_NAMED | {"ivybridge", "core-avx-i", "btver2"}
+#: Every x86 name LLVM knows that has none of them (SSE-only and first-AVX CPUs).
+_PLAIN_NAMED = frozenset(
+    {
+        "generic", "x86-64", "x86-64-v2", "nocona", "core2", "penryn",
+        "nehalem", "corei7", "westmere", "sandybridge", "corei7-avx", "bonnell", "atom",
+        "silvermont", "slm", "goldmont", "goldmont-plus", "tremont", "k8", "opteron",
+        "athlon64", "amdfam10", "barcelona", "btver1", "bdver1",
+    }
+)  # fmt: skip
+_NAMED = {
+    "avx512f": _AVX512_NAMED,
+    "avx512bw": _AVX512_NAMED,
+    "avx512vl": _AVX512_NAMED,
+    "avx512bf16": _BF16_NAMED,
+    "avx512fp16": _FP16_NAMED,
+    "avx2": _AVX2_NAMED,
+    "fma": _FMA_NAMED,
+    "f16c": _F16C_NAMED,
+}
+
+
+def _implied_by_name(cpu: str) -> set[str] | None:
+    """The extensions of ``_X86`` that LLVM's x86 CPU ``cpu`` has, or None for a name
+    not listed here."""
+    name = cpu.lower()
+    if name not in _F16C_NAMED and name not in _PLAIN_NAMED:
+        return None
+    return {feature for feature, names in _NAMED.items() if name in names}
+
 
 def vector_extensions() -> dict[str, Any]:
     """The SIMD extensions numba (LLVM) compiles for and NumPy dispatches to, here.
@@ -117,14 +167,18 @@ def vector_extensions() -> dict[str, Any]:
     host = llvm.get_host_cpu_name()
     # numba compiles for NUMBA_CPU_NAME / NUMBA_CPU_FEATURES when set, else for the host.
     configured = getattr(numba.config, "CPU_FEATURES", None)
+    named = getattr(numba.config, "CPU_NAME", None)
+    implied: set[str] | None = set()
     if configured is not None:
         features_text = configured
+        if not configured and named:  # a CPU named alone: its model's features
+            implied = _implied_by_name(named)
     else:
         try:
             features_text = llvm.get_host_cpu_features().flatten()
         except RuntimeError:  # pragma: no cover - LLVM cannot read them on this host
             features_text = ""
-    enabled = {f[1:] for f in features_text.split(",") if f.startswith("+")}
+    enabled = {f[1:] for f in features_text.split(",") if f.startswith("+")} | (implied or set())
     try:  # NumPy's runtime dispatch table (np.show_runtime()'s "found")
         umath = importlib.import_module("numpy._core._multiarray_umath")
     except ImportError:  # pragma: no cover - NumPy 1.x
@@ -136,8 +190,12 @@ def vector_extensions() -> dict[str, Any]:
     llvm_present = [name for name in watched if name in enabled]
     numpy_present = [n for n in watched if VECTOR_EXTENSIONS[n] and VECTOR_EXTENSIONS[n] in found]
     absent = [name for name in watched if name not in enabled]
-    cpu = getattr(numba.config, "CPU_NAME", None) or host
-    shown = " ".join(name.upper() for name in llvm_present) or "none of " + ", ".join(watched)
+    cpu = named or host
+    if implied is None:
+        llvm_present, absent = [], []
+        shown = f"those LLVM's CPU model {cpu} implies (a name the bench does not list)"
+    else:
+        shown = " ".join(name.upper() for name in llvm_present) or "none of " + ", ".join(watched)
     summary = f"vector extensions: {shown}"
     if absent and llvm_present:
         summary += f" (no {' '.join(name.upper() for name in absent)})"
