@@ -1,0 +1,51 @@
+"""``tools/cpu_scaling.py``, the script for machines with more cores than the 2-core
+VMs every figure of docs/performance.md comes from: it runs, prints a row per mode,
+and leaves numba's thread count and the constants it changes as it found them."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numba
+import pytest
+
+from numba_rope import config
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "cpu_scaling.py"
+
+
+@pytest.fixture(scope="module")
+def scaling():
+    spec = importlib.util.spec_from_file_location("cpu_scaling_tool", TOOL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["cpu_scaling_tool"] = module
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["cpu_scaling_tool"]
+
+
+def test_one_row_per_mode_and_everything_restored(scaling, capsys, monkeypatch):
+    monkeypatch.setattr(scaling, "PAUSE", 0.0)
+    threads = numba.get_num_threads()
+    constants = (config.PARALLEL_MIN_ELEMENTS, config.HELPER_MIN_ELEMENTS)
+    assert scaling.main(["--workloads", "seed", "--dtypes", "float32", "--threads", "1",
+                         "--repeats", "3", "--rounds", "2"]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    modes = [line.split()[3] for line in lines[2:]]
+    assert modes[:3] == ["helper", "parallel", "alone"]
+    assert set(modes[3:]) <= {"onnxruntime"}
+    for line in lines[2:]:
+        workload, dtype, count, _, median, p95 = line.split()
+        assert (workload, dtype, count) == ("seed", "float32", "1")
+        assert 0 < float(median) <= float(p95)  # medians of medians and of p95s
+    assert numba.get_num_threads() == threads
+    assert (config.PARALLEL_MIN_ELEMENTS, config.HELPER_MIN_ELEMENTS) == constants
+
+
+def test_thread_counts_beyond_numbas_are_refused(scaling, capsys):
+    with pytest.raises(SystemExit):
+        scaling.main(["--threads", str(numba.config.NUMBA_NUM_THREADS + 1)])
+    assert "thread counts must lie in [1," in capsys.readouterr().err
