@@ -33,7 +33,8 @@ PARALLEL_MIN_ELEMENTS: int = 1 << 20
 HELPER_MIN_ELEMENTS: int = 1 << 15
 
 #: How long the helper thread spins after its last chunk, waiting for the next call,
-#: before it sleeps (a sleeping helper joins a later call, never the one that wakes it).
+#: before it sleeps (a sleeping helper joins a later call, never the one that wakes it:
+#: that call runs alone).
 HELPER_SPIN_MICROSECONDS: int = 1000
 
 #: Number of work chunks per worker thread in the parallel CPU kernel; more than one

@@ -730,6 +730,40 @@ def test_a_sleeping_helper_is_woken_with_the_callers_cpu_taken_out_of_its_cpus()
         thread.join()
 
 
+def test_a_call_that_finds_the_helper_asleep_runs_alone_and_wakes_it(rng):
+    # Woken by a job, the helper would come late to it and the caller would wait for
+    # the chunks it claimed: a call that finds it asleep on its futex wakes it for the
+    # calls after and runs alone, a miss. After MISSES_BEFORE_ALONE of them in a row
+    # calls stop waking it, but for the probes (see the test above).
+    x, cos, sin, ids = make_case(rng, (4, 6, 3, 16), np.float32, n_positions=16)
+    block = helper.Helper().block  # never started: no thread sleeps on its futex
+    if block[relay.SYSCALL] == 0:
+        pytest.skip("no futex here: a sleeping helper is not woken by calls")
+    options = (False, False, True, 0, False, False, False)
+    chosen = cpu_backend.kernels(*options)
+    relayed, runner = chosen.relayed, chosen.runner(x, None, cos, sin, ids)
+    expected = float32_contract(x, cos, sin, ids)
+    woken = []
+    for call in range(relay.MISSES_BEFORE_ALONE + relay.PROBE_EVERY):
+        out = np.full_like(x, np.nan)
+        block[relay.SLEEPING] = 1
+        before = block[relay.GENERATION]
+        status = relayed(x, None, cos, sin, ids, out, None, 16, True, 1024, 2, 8, block, runner)
+        assert status == DONE and block[relay.GENERATION] == before  # run alone
+        assert block[relay.OWNER] == 0
+        assert_bitwise_equal(out, expected)
+        if block[relay.SLEEPING] == 0:
+            woken.append(call)
+    alone = relay.MISSES_BEFORE_ALONE
+    assert woken == [*range(alone), alone + relay.PROBE_EVERY - 2, alone + relay.PROBE_EVERY - 1]
+    assert block[relay.MISSES] == alone + 2
+    # Awake (spinning, or busy elsewhere): the job is published as before.
+    block[relay.MISSES] = block[relay.SKIPPED] = 0
+    before = block[relay.GENERATION]
+    relayed(x, None, cos, sin, ids, out, None, 16, True, 1024, 2, 8, block, runner)
+    assert block[relay.GENERATION] == before + 1 and block[relay.MISSES] == 1
+
+
 def test_calls_run_alone_share_again_once_the_helper_has_moved(rng):
     # A helper that has moved off the caller's CPU (MOVES changed) has a core again:
     # calls running alone for want of it publish at once, without waiting for a probe.

@@ -898,7 +898,8 @@ def _shared_job(x, k, cos, sin, positions, out, out_k, rotary_dim, tile, n_group
     of late (``relay.worth_sharing``): the job published there in ``n_chunks`` chunks,
     which the caller takes from the front and the helper from the back. True when so
     run; False, none of it run, when the caller must run it alone (another caller's
-    job running, or a helper without a core of late).
+    job running, a helper without a core of late, or one asleep: woken then for the
+    calls after, see ``relay.rouse``).
 
     A function of its own, not inlined into :func:`run_job`: numba copies an inlined
     function's IR with every branch before it drops the dead ones, so the kernels that
@@ -911,6 +912,9 @@ def _shared_job(x, k, cos, sin, positions, out, out_k, rotary_dim, tile, n_group
         return False
     if not relay.worth_sharing(shared):
         relay.release(shared)
+        return False
+    if relay.asleep(shared):  # woken now it would come late: woken for the next call
+        relay.rouse(shared)
         return False
     # One call of each (two inlined copies of the stores trip numba's SSA pass).
     relay.store_job(shared, x, out, cos, sin, positions, rotary_dim, tile, n_groups, n_units)

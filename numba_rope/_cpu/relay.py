@@ -408,18 +408,63 @@ def open_claims(block):
     it on the caller's (see :func:`keep_apart`), where it waited for the scheduler to
     preempt the caller before it could move (1.5-2 ms on the 2-core Zen 4 VM, calls
     running alone meanwhile)."""
-    cpu = -1
-    if block[GETCPU] != 0:  # for the helper's keep_apart (a line only callers write)
-        cpu = call_address0(block[GETCPU])
-        put(block, CALLER_CPU, cpu)
+    cpu = note_caller_cpu(block)
     atomic_store(block, CLAIM, (block[GENERATION] << GENERATION_SHIFT) | 1)
     if atomic_load(block, SLEEPING) != 0:  # after CLAIM: see serve()
-        # Woken with this CPU excluded, it wakes on another (see keep_apart).
-        masks = block[MASKS] + 16 * MASK_WORDS  # the callers' two masks
-        apart = block[HELPER_THREAD] != 0 and exclude_cpu(block, block[HELPER_THREAD], cpu, masks)
-        wake(block)
-        if apart:
-            restore_cpus(block, block[HELPER_THREAD], masks)
+        wake_apart(block, cpu)
+
+
+@cached_njit(inline="always")
+def note_caller_cpu(block):
+    """The caller's CPU (-1 where ``GETCPU`` is 0), stored in ``CALLER_CPU`` for the
+    helper's :func:`keep_apart` (a line only callers write)."""
+    cpu = -1
+    if block[GETCPU] != 0:
+        cpu = call_address0(block[GETCPU])
+        put(block, CALLER_CPU, cpu)
+    return cpu
+
+
+@cached_njit(inline="always")
+def wake_apart(block, cpu):
+    """Wake the sleeping helper (Linux) with the caller's ``cpu`` taken out of its CPUs
+    for the moment (:func:`exclude_cpu`): it wakes on another (see :func:`keep_apart`)."""
+    masks = block[MASKS] + 16 * MASK_WORDS  # the callers' two masks
+    apart = block[HELPER_THREAD] != 0 and exclude_cpu(block, block[HELPER_THREAD], cpu, masks)
+    wake(block)
+    if apart:
+        restore_cpus(block, block[HELPER_THREAD], masks)
+
+
+@cached_njit(inline="always")
+def asleep(block):
+    """Whether the helper sleeps on its futex (Linux): a job published now would wake
+    it (:func:`open_claims`) too late for most of the job, and the caller would wait at
+    the end for the chunks it then claims, on a core whose caches hold none of the
+    job (a float16 decode step (64, 32, 1, 128) after 2 ms of other work on the 2-core
+    Zen 4 VM: 40.6 us shared so, against 31-33 alone; docs/performance.md, "Fiftieth
+    session")."""
+    return block[SYSCALL] != 0 and atomic_load(block, SLEEPING) != 0
+
+
+@cached_njit(inline="always")
+def rouse(block):
+    """Wake the sleeping helper for the calls after this one, which runs alone: no job
+    is published (the block is released), and the call counts as a miss (see
+    :func:`worth_sharing`): calls that find it asleep time after time come further apart
+    than it spins (``HELPER_SPIN_MICROSECONDS``), and after
+    :data:`MISSES_BEFORE_ALONE` of them they stop waking it, but to probe."""
+    wake_apart(block, note_caller_cpu(block))
+    count_miss(block)
+    release(block)
+
+
+@cached_njit(inline="always")
+def count_miss(block):
+    """One more job (or call, :func:`rouse`) in a row without the helper."""
+    block[MISSES] += 1
+    if block[MISSES] == MISSES_BEFORE_ALONE:  # calls go alone: moves from now on count
+        block[MOVES_SEEN] = atomic_load(block, MOVES)
 
 
 @cached_njit(inline="always")
@@ -486,9 +531,7 @@ def finish(block, n_chunks, own):
     while atomic_load(block, FINISHED) < handed:
         pause()
     if own == n_chunks:
-        block[MISSES] += 1
-        if block[MISSES] == MISSES_BEFORE_ALONE:  # calls go alone: moves from now on count
-            block[MOVES_SEEN] = atomic_load(block, MOVES)
+        count_miss(block)
     else:
         put(block, MISSES, 0)  # a line the helper reads at every turn
         block[SKIPPED] = 0
