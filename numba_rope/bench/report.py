@@ -105,9 +105,9 @@ _ARM = ("neon", "fullfp16", "bf16", "sve", "sve2")
 
 # A CPU named without features (``NUMBA_CPU_NAME`` with ``NUMBA_CPU_FEATURES=""``, as
 # the tests compile other CPUs' code) gets the features LLVM's CPU model of that name
-# implies, which no feature string shows: these are the x86 names LLVM 14-22 knows with
-# each of ``_X86``'s extensions. A name in none of them (older CPUs, or one added to
-# LLVM later) is shown as unknown, not as having none.
+# implies, which no feature string shows: these are the x86-64 names of LLVM 14 to 22
+# with each of ``_X86``'s extensions. A name in none of them (Xeon Phi's, 32-bit CPUs',
+# one added to LLVM later) is shown as unknown, not as having none.
 _FP16_NAMED = frozenset(
     {"sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d", "diamondrapids"}
 )
@@ -124,7 +124,7 @@ _AVX2_NAMED = _AVX512_NAMED | {
 }  # fmt: skip
 _FMA_NAMED = _AVX2_NAMED | {"bdver2", "bdver3"}
 _F16C_NAMED = _FMA_NAMED | {"ivybridge", "core-avx-i", "btver2"}
-#: Every x86 name LLVM knows that has none of them (SSE-only and first-AVX CPUs).
+#: The x86-64 names of CPUs with none of them (SSE-only and first-AVX CPUs).
 _PLAIN_NAMED = frozenset(
     {
         "generic", "x86-64", "x86-64-v2", "nocona", "core2", "penryn",
