@@ -197,6 +197,30 @@ def rng():
     return np.random.default_rng(20261129)
 
 
+@pytest.fixture(scope="module")
+def load_tool():
+    """A function that imports a script of ``tools/`` as a module (``load_tool("accuracy")``
+    for ``tools/accuracy.py``), dropped from ``sys.modules`` after the test module."""
+    import importlib.util
+    from pathlib import Path
+
+    loaded: list[str] = []
+
+    def load(name: str):
+        path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(f"{name}_tool", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        loaded.append(spec.name)
+        spec.loader.exec_module(module)
+        return module
+
+    yield load
+    for name in loaded:
+        sys.modules.pop(name, None)
+
+
 @pytest.fixture
 def parallel_always(monkeypatch):
     """Make every input take the parallel kernel, however small."""

@@ -4,26 +4,14 @@ rounded after every operation is not)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import ml_dtypes
 import numpy as np
 import pytest
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "accuracy.py"
-
 
 @pytest.fixture(scope="module")
-def accuracy():
-    spec = importlib.util.spec_from_file_location("accuracy_tool", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["accuracy_tool"] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["accuracy_tool"]
+def accuracy(load_tool):
+    return load_tool("accuracy")
 
 
 @pytest.mark.parametrize(("dtype", "mantissa_bits"), [(np.float16, 10), (ml_dtypes.bfloat16, 7)])

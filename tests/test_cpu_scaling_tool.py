@@ -4,27 +4,15 @@ and leaves numba's thread count and the constants it changes as it found them.""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numba
 import pytest
 
 from numba_rope import config
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "cpu_scaling.py"
-
 
 @pytest.fixture(scope="module")
-def scaling():
-    spec = importlib.util.spec_from_file_location("cpu_scaling_tool", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["cpu_scaling_tool"] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["cpu_scaling_tool"]
+def scaling(load_tool):
+    return load_tool("cpu_scaling")
 
 
 def test_one_row_per_mode_and_everything_restored(scaling, capsys, monkeypatch):
