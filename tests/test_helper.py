@@ -659,18 +659,24 @@ def test_a_helper_on_the_callers_cpu_moves_off_it_and_keeps_its_cpus():
 
     def on_the_callers_cpu():
         # The scheduler may move the thread between the two reads of its CPU (here and
-        # in keep_apart): then nothing moves it, and the next try is the test.
+        # in keep_apart): then nothing moves it. And once keep_apart has given the
+        # thread its CPUs back, it may move it back before the read after (seen once in
+        # CI, both cores busy). Either way the next try is the test.
         for _ in range(50):
             _on_cpu(cpu, allowed)
             here = _current_cpu()
             block[relay.CALLER_CPU] = here
+            before = block[relay.MOVES]
             keep_apart(block)
-            if block[relay.MOVES]:
-                return here, _current_cpu(), os.sched_getaffinity(0)
+            if block[relay.MOVES] == before + 1:
+                now = _current_cpu()
+                if now != here:
+                    return here, now, os.sched_getaffinity(0)
         return here, here, os.sched_getaffinity(0)
 
     was, moved_to, cpus = _in_a_thread(on_the_callers_cpu)
-    assert block[relay.MOVES] == 1
+    moves = block[relay.MOVES]  # one per try that moved it: 1 unless moved back
+    assert moves >= 1
     assert moved_to != was and moved_to in allowed
     assert cpus == allowed
 
@@ -681,7 +687,7 @@ def test_a_helper_on_the_callers_cpu_moves_off_it_and_keeps_its_cpus():
         return os.sched_getaffinity(0)
 
     assert _in_a_thread(caller_not_known) == allowed
-    assert block[relay.MOVES] == 1
+    assert block[relay.MOVES] == moves
 
     def on_one_cpu():
         os.sched_setaffinity(0, {cpu})
@@ -690,7 +696,7 @@ def test_a_helper_on_the_callers_cpu_moves_off_it_and_keeps_its_cpus():
         return _current_cpu(), os.sched_getaffinity(0)
 
     assert _in_a_thread(on_one_cpu) == (cpu, {cpu})
-    assert block[relay.MOVES] == 1
+    assert block[relay.MOVES] == moves
 
 
 @LINUX_WITH_CPUS
