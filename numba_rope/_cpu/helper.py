@@ -6,8 +6,9 @@ One daemon thread per process, started by the first call that can use it. It run
 Python until it is stopped (at exit): a thread that needed the GIL to join a call
 would wait for it while the caller holds it. It spins on the control block for
 ``config.HELPER_SPIN_MICROSECONDS`` after its last chunk, then sleeps: on Linux on a
-futex that the next job wakes, elsewhere in growing steps (50 us to 10 ms), looking for
-work between them. It runs any kind of job: each job
+futex that the next call wakes (that call runs alone: woken, the helper would come late
+to it, see :func:`numba_rope._cpu.relay.rouse`), elsewhere in growing steps (50 us to
+10 ms), looking for work between them. It runs any kind of job: each job
 names the compiled function that runs its chunks (:func:`numba_rope._cpu.kernels.make_runner`,
 made here on the caller's thread the first time a kind is seen). No call waits for
 the helper to wake or start, only for a chunk it has claimed.
@@ -20,7 +21,7 @@ stopped before the interpreter tears down.
 On Linux the helper keeps off the CPU of the caller whose job it serves: a call wakes
 it with the caller's CPU taken out of its CPUs for the moment, and a helper that finds
 itself there, when a job wakes it or while it spins, moves to another CPU the process
-may use (:func:`numba_rope._cpu.relay.open_claims`, :func:`~numba_rope._cpu.relay.keep_apart`).
+may use (:func:`numba_rope._cpu.relay.wake_apart`, :func:`~numba_rope._cpu.relay.keep_apart`).
 Two threads on one CPU take turns rather than share the work, and the scheduler of a
 virtual machine tends to leave them so.
 """
@@ -134,7 +135,7 @@ class Helper:
                 daemon=True,
             )
             self.thread.start()
-            if self.block[relay.MASKS]:  # callers wake it off their CPU (open_claims)
+            if self.block[relay.MASKS]:  # callers wake it off their CPU (wake_apart)
                 self.block[relay.HELPER_THREAD] = self.thread.native_id or 0
 
     def stop(self) -> None:

@@ -916,7 +916,6 @@ def _shared_job(x, k, cos, sin, positions, out, out_k, rotary_dim, tile, n_group
     if relay.asleep(shared):  # woken now it would come late: woken for the next call
         relay.rouse(shared)
         return False
-    # One call of each (two inlined copies of the stores trip numba's SSA pass).
     relay.store_job(shared, x, out, cos, sin, positions, rotary_dim, tile, n_groups, n_units)
     if k is not None:
         relay.store_array(shared, relay.K_AT, k)

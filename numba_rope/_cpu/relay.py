@@ -655,7 +655,7 @@ def keep_apart(block):
     the CPU of the thread that wakes it (375 of 400 wakes in a C test where the waker
     slept now and then, 2 of 400 where it never slept). Called where the helper is
     woken by a job and at each ``sched_yield`` of its spinning (callers also wake it
-    off their CPU, see :func:`open_claims`). Counts each move in ``MOVES``."""
+    off their CPU, see :func:`wake_apart`). Counts each move in ``MOVES``."""
     if block[GETCPU] == 0:
         return
     cpu = call_address0(block[GETCPU])
