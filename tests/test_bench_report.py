@@ -167,6 +167,11 @@ def test_the_table_of_cpu_names_agrees_with_llvms_code_for_them(capfd):
     import llvmlite.binding as llvm
     from numba.core.codegen import initialize_llvm
 
+    if llvm.llvm_version_info < (22,):
+        # LLVM 14 (numba 0.60) aborts the process ("64-bit code requested on a subtarget
+        # that doesn't support it") on code for a CPU name it does not know, where LLVM
+        # 22 warns and takes a generic CPU; the versions between were not tried.
+        pytest.skip("the probes need LLVM 22 (numba 0.67 or later)")
     initialize_llvm()
     target = llvm.Target.from_triple(llvm.get_process_triple())
     checked = 0
