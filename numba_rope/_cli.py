@@ -158,7 +158,10 @@ def add_bench_parser(commands) -> None:
         "--threads", type=_positive, default=0, help="numba (and peer) threads; default: numba's"
     )
     parser.add_argument(
-        "--repeats", type=_positive, default=None, help="timed samples per row (default 30)"
+        "--repeats",
+        type=_positive,
+        default=None,
+        help="timed samples per row (default 30; 600 with --single-calls)",
     )
     parser.add_argument(
         "--rounds",

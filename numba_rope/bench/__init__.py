@@ -46,7 +46,7 @@ from numba_rope.bench.report import (
     vector_extensions,
     write_json,
 )
-from numba_rope.bench.runner import Settings, measure, run
+from numba_rope.bench.runner import REPEATS, SINGLE_CALL_REPEATS, Settings, measure, run
 from numba_rope.bench.targets import CpuTarget, CudaTarget, Unavailable, parallel_copy, target
 from numba_rope.bench.timing import (
     BATCH_SECONDS,
@@ -79,10 +79,12 @@ __all__ = [
     "DEVICES",
     "DTYPES",
     "EPSILON",
+    "REPEATS",
     "ROPE_BASE",
     "SEED",
     "SEED_POSITION_IDS",
     "SETTLE_SECONDS",
+    "SINGLE_CALL_REPEATS",
     "TOLERANCE_EPS",
     "WORKLOADS",
     "Case",

@@ -67,6 +67,20 @@ from numba_rope.bench.timing import (
 )
 from numba_rope.bench.workloads import DTYPES, WORKLOADS, Case, make_case
 
+#: Timed samples per row by default: batches of calls on the small workloads, single
+#: calls on the large ones.
+REPEATS = 30
+
+#: Timed samples per row with ``single_calls``, where the 95th percentile is the latency
+#: of one call. Of 30 samples it lies between the second and third largest, so two
+#: stalls of the machine (a descheduled thread, an interrupt) make it; of 600, 30 stalls
+#: do. With the other core busy on the 2-core Zen 4 VM (``bench --single-calls --busy
+#: --workloads decode,seed``, 24 s with 600), numba_rope's p95 was over twice its median
+#: in 22 of 84 cells of seven runs of 30 samples and in none of 48 in two runs of 600 (at
+#: most 1.77x; docs/performance.md, "Fifty-first session"). Large workloads stop at
+#: ``budget_seconds`` first.
+SINGLE_CALL_REPEATS = 600
+
 
 @dataclass
 class Settings:
@@ -74,7 +88,7 @@ class Settings:
     dtypes: Sequence[str] = DTYPES
     workloads: Sequence[str] = tuple(WORKLOADS)
     threads: int = 0  # 0: numba's current number of threads
-    repeats: int = 30
+    repeats: int = 0  # 0: REPEATS, or SINGLE_CALL_REPEATS with single_calls
     warmup: int = 2
     batch_seconds: float = BATCH_SECONDS
     budget_seconds: float = 5.0
@@ -83,6 +97,10 @@ class Settings:
     smoke: bool = False  # made by quick() (`bench --quick`): the numbers mean little
     settle_seconds: float = SETTLE_SECONDS  # before each implementation (timing.settle)
     rounds: int = 3  # turns of every implementation of a (workload, dtype), samples pooled
+
+    def __post_init__(self) -> None:
+        if self.repeats <= 0:
+            self.repeats = SINGLE_CALL_REPEATS if self.single_calls else REPEATS
 
     @classmethod
     def quick(cls, **changes: Any) -> Settings:
