@@ -85,7 +85,11 @@ def test_onnxruntime_run_row_in_the_command(monkeypatch, tmp_path, capsys):
 
 def test_vector_extensions_agree_with_llvm_and_numpy():
     import llvmlite.binding as llvm
-    from numpy._core._multiarray_umath import __cpu_features__
+
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__  # NumPy 2
+    except ImportError:  # NumPy 1.x (the oldest supported, 1.24)
+        from numpy.core._multiarray_umath import __cpu_features__
 
     found = report_module.vector_extensions()
     assert found["llvm_host_cpu"] == llvm.get_host_cpu_name()
