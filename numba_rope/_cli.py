@@ -161,7 +161,7 @@ def add_bench_parser(commands) -> None:
         "--repeats",
         type=_positive,
         default=None,
-        help="timed samples per row (default 30; 600 with --single-calls)",
+        help="timed samples per row (default 30; 600 on seed and decode with --single-calls)",
     )
     parser.add_argument(
         "--rounds",

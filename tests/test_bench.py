@@ -313,11 +313,17 @@ def test_time_calls_batches_small_calls():
 def test_single_calls_take_enough_samples_that_a_few_stalls_are_not_their_p95(monkeypatch):
     # With --single-calls p95 is one call's latency. Two stalls of the machine in a
     # row's samples (2 ms each among calls that take microseconds) make the p95 of 30
-    # samples; of the default number for single calls, they do not.
-    assert bench.Settings().repeats == bench.REPEATS == 30
-    assert bench.Settings(single_calls=True).repeats == bench.SINGLE_CALL_REPEATS >= 200
-    assert bench.Settings(single_calls=True, repeats=7).repeats == 7
-    assert bench.Settings.quick(single_calls=True).repeats == 3
+    # samples; of the default number for the small workloads' single calls, they do not.
+    small, large = bench.WORKLOADS["decode"], bench.WORKLOADS["prefill"]
+    assert small.batched and not large.batched
+    for settings, counts in (
+        (bench.Settings(), (30, 30)),
+        (bench.Settings(single_calls=True), (bench.SINGLE_CALL_REPEATS, 30)),
+        (bench.Settings(single_calls=True, repeats=7), (7, 7)),
+        (bench.Settings.quick(single_calls=True), (3, 3)),
+    ):
+        assert (settings.samples_for(small), settings.samples_for(large)) == counts
+    assert bench.REPEATS == 30 and bench.SINGLE_CALL_REPEATS >= 200
 
     def stalling_twice_in(repeats):
         calls, stalled = iter(range(repeats)), (5, repeats // 2)
@@ -326,14 +332,21 @@ def test_single_calls_take_enough_samples_that_a_few_stalls_are_not_their_p95(mo
     for repeats, stalls_are_p95 in ((bench.REPEATS, True), (bench.SINGLE_CALL_REPEATS, False)):
         timing = bench.time_calls(stalling_twice_in(repeats), repeats, warmup=0)
         assert timing.samples == repeats and (timing.p95 > 1e-3) is stalls_are_p95
-    # The command takes the same defaults, and --repeats over them.
+    # The command takes the same defaults, and --repeats over them; the header says so.
     chosen = []
-    monkeypatch.setattr(bench, "run", lambda settings: chosen.append(settings.repeats) or 1 / 0)
+    monkeypatch.setattr(
+        bench, "run", lambda settings: chosen.append(settings.samples_for(small)) or 1 / 0
+    )
     single, forty = ["--single-calls"], ["--single-calls", "--repeats", "40"]
     for arguments, repeats in (([], 30), (single, 600), (forty, 40)):
         with pytest.raises(ZeroDivisionError):
             _cli.main(["bench", "--workloads", "seed", *arguments])
         assert chosen.pop() == repeats
+    report = bench.Report(settings={"device": "cpu", "single_calls": True}, environment={
+        "numba_rope": "x", "numba": "x", "numpy": "x", "numba_threads": 2,
+        "numba_threading_layer": "omp"}, results=[])  # fmt: skip
+    header = bench.format_table(report).splitlines()[0]
+    assert "600 single calls (seed, decode; 30 on the others)" in header
 
 
 def test_time_calls_runs_between_before_each_sample_untimed():

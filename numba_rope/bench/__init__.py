@@ -46,11 +46,13 @@ from numba_rope.bench.report import (
     vector_extensions,
     write_json,
 )
-from numba_rope.bench.runner import REPEATS, SINGLE_CALL_REPEATS, Settings, measure, run
+from numba_rope.bench.runner import Settings, measure, run
 from numba_rope.bench.targets import CpuTarget, CudaTarget, Unavailable, parallel_copy, target
 from numba_rope.bench.timing import (
     BATCH_SECONDS,
+    REPEATS,
     SETTLE_SECONDS,
+    SINGLE_CALL_REPEATS,
     Timing,
     bandwidth_fraction,
     busy_loop,

@@ -20,6 +20,8 @@ import numba
 import numpy as np
 
 import numba_rope
+from numba_rope.bench.timing import REPEATS, SINGLE_CALL_REPEATS
+from numba_rope.bench.workloads import WORKLOADS
 
 
 @dataclass
@@ -411,7 +413,15 @@ def format_table(report: Report) -> str:
     """The results as a text table, one row per (workload, dtype, implementation); rows
     whose times are doubtful carry a ``*`` after the ratio, and the warnings close it."""
     env = report.environment
-    sampled = "single calls" if report.settings.get("single_calls") else "samples"
+    single = bool(report.settings.get("single_calls"))
+    repeats = report.settings.get("repeats") or 0
+    if repeats > 0:
+        sampled = f"{repeats} {'single calls' if single else 'samples'}"
+    elif single:
+        small = ", ".join(name for name, workload in WORKLOADS.items() if workload.batched)
+        sampled = f"{SINGLE_CALL_REPEATS} single calls ({small}; {REPEATS} on the others)"
+    else:
+        sampled = f"{REPEATS} samples"
     busy = ", a busy loop on another core" if report.settings.get("busy") else ""
     settled = report.settings.get("settle_seconds") or 0
     apart = f", each after {settled * 1e3:.0f} ms of settling" if settled else ""
@@ -423,7 +433,7 @@ def format_table(report: Report) -> str:
         f"numba_rope {env['numba_rope']} on {report.settings['device']}: numba {env['numba']}, "
         f"numpy {env['numpy']}, {env['numba_threads']} threads "
         f"({env['numba_threading_layer'] or 'no parallel region run'}), "
-        f"median of up to {report.settings['repeats']} {sampled}{apart}, "
+        f"median of up to {sampled}{apart}, "
         f"{load_line(report)}{busy}",
         f"{env.get('processor') or env.get('machine')}, {env.get('cpu_count')} cores, "
         f"{vector.get('summary', 'vector extensions: unknown')}",

@@ -60,26 +60,14 @@ from numba_rope.bench.report import Report, Result, cpu_seconds, environment, fi
 from numba_rope.bench.targets import Unavailable, target
 from numba_rope.bench.timing import (
     BATCH_SECONDS,
+    REPEATS,
     SETTLE_SECONDS,
+    SINGLE_CALL_REPEATS,
     busy_loop,
     settle,
     time_calls,
 )
-from numba_rope.bench.workloads import DTYPES, WORKLOADS, Case, make_case
-
-#: Timed samples per row by default: batches of calls on the small workloads, single
-#: calls on the large ones.
-REPEATS = 30
-
-#: Timed samples per row with ``single_calls``, where the 95th percentile is the latency
-#: of one call. Of 30 samples it lies between the second and third largest, so two
-#: stalls of the machine (a descheduled thread, an interrupt) make it; of 600, 30 stalls
-#: do. With the other core busy on the 2-core Zen 4 VM (``bench --single-calls --busy
-#: --workloads decode,seed``, 24 s with 600), numba_rope's p95 was over twice its median
-#: in 22 of 84 cells of seven runs of 30 samples and in none of 48 in two runs of 600 (at
-#: most 1.77x; docs/performance.md, "Fifty-first session"). Large workloads stop at
-#: ``budget_seconds`` first.
-SINGLE_CALL_REPEATS = 600
+from numba_rope.bench.workloads import DTYPES, WORKLOADS, Case, Workload, make_case
 
 
 @dataclass
@@ -88,7 +76,7 @@ class Settings:
     dtypes: Sequence[str] = DTYPES
     workloads: Sequence[str] = tuple(WORKLOADS)
     threads: int = 0  # 0: numba's current number of threads
-    repeats: int = 0  # 0: REPEATS, or SINGLE_CALL_REPEATS with single_calls
+    repeats: int = 0  # 0: a workload's default (samples_for)
     warmup: int = 2
     batch_seconds: float = BATCH_SECONDS
     budget_seconds: float = 5.0
@@ -98,9 +86,21 @@ class Settings:
     settle_seconds: float = SETTLE_SECONDS  # before each implementation (timing.settle)
     rounds: int = 3  # turns of every implementation of a (workload, dtype), samples pooled
 
-    def __post_init__(self) -> None:
-        if self.repeats <= 0:
-            self.repeats = SINGLE_CALL_REPEATS if self.single_calls else REPEATS
+    def samples_for(self, workload: Workload) -> int:
+        """Timed samples per row of ``workload``: ``repeats`` where it is set (above 0),
+        else :data:`SINGLE_CALL_REPEATS` for a small workload timed call by call
+        (``single_calls``) and :data:`REPEATS` for the rest.
+
+        >>> from numba_rope.bench.workloads import WORKLOADS
+        >>> single = Settings(single_calls=True)
+        >>> single.samples_for(WORKLOADS["decode"]), single.samples_for(WORKLOADS["prefill"])
+        (600, 30)
+        >>> Settings().samples_for(WORKLOADS["decode"])
+        30
+        """
+        if self.repeats > 0:
+            return self.repeats
+        return SINGLE_CALL_REPEATS if self.single_calls and workload.batched else REPEATS
 
     @classmethod
     def quick(cls, **changes: Any) -> Settings:
@@ -278,7 +278,7 @@ def measure(
     rounds = max(1, rounds)
     timing = time_calls(
         prepared.call,
-        -(-settings.repeats // rounds),
+        -(-settings.samples_for(case.workload) // rounds),
         batch_seconds=settings.batch_seconds if batched else 0.0,
         warmup=warmup_calls(settings, implementation),
         budget_seconds=settings.budget_seconds / rounds,

@@ -23,6 +23,21 @@ from numba_rope.bench.workloads import Case
 #: Length of one timed batch of calls on ``batched`` workloads, in seconds.
 BATCH_SECONDS = 5e-4
 
+#: Timed samples per row by default: batches of calls on the small workloads, single
+#: calls on the large ones.
+REPEATS = 30
+
+#: Timed samples per row of the small (``batched``) workloads with ``single_calls``,
+#: where the 95th percentile is the latency of one call. Of 30 samples it lies between
+#: the second and third largest, so two stalls of the machine (a descheduled thread, an
+#: interrupt) make it; of 600, 30 stalls do. With the other core busy on the 2-core
+#: Zen 4 VM (``bench --single-calls --busy --workloads decode,seed``, 24 s with 600),
+#: numba_rope's p95 was over twice its median in 16 of 72 cells of three runs of 30
+#: samples (up to 8.3x) and in none of 72 of three runs of 600 alternated with them (at
+#: most 1.86x; docs/performance.md, "Fifty-first session"). The large workloads keep
+#: :data:`REPEATS` (600 made a ``--single-calls`` run of ``prefill`` 139 s instead of 40).
+SINGLE_CALL_REPEATS = 600
+
 #: How long :func:`settle` keeps the calling thread busy before an implementation is
 #: timed, in seconds. Worker threads spin on after their last call, and a spinning
 #: thread takes the core that the next implementation's second thread needs: on the
