@@ -823,6 +823,7 @@ def test_bench_single_calls_with_a_busy_core(monkeypatch, tmp_path, capsys, quic
     assert code == 0 and spun == [True]
     data = json.loads(path.read_text())
     assert data["settings"]["single_calls"] is True and data["settings"]["busy"] is True
+    assert data["settings"]["samples"] == {"seed": 3}  # --quick's, per workload
     timed = [r for r in data["results"] if r["median_s"] is not None]
     assert len(timed) >= 4 and all(r["calls_per_sample"] == 1 for r in timed)
     header = capsys.readouterr().out.splitlines()[0]

@@ -153,7 +153,11 @@ def run(
     threads = numba.get_num_threads()
     candidates = implementations(settings.device, threads) + list(extra)
     report = Report(
-        settings={**asdict(settings), "threads": threads},
+        settings={
+            **asdict(settings),
+            "threads": threads,
+            "samples": {name: settings.samples_for(WORKLOADS[name]) for name in settings.workloads},
+        },
         environment=environment(threads),
     )
     show = _progress_printer(progress)
