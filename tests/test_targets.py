@@ -375,20 +375,32 @@ def _run_compiled_for(cpu, dtypes, cache):
 #: The features of LLVM's haswell, which this machine must have to run its code.
 HASWELL_FEATURES = {"avx", "avx2", "fma", "f16c", "bmi", "bmi2", "lzcnt", "movbe", "popcnt"}
 
+#: The vector features of LLVM's skylake-avx512 (AVX-512 without AVX512_BF16: Skylake-SP,
+#: Cascade Lake; Ice Lake's code takes the same bfloat16 path) on top of haswell's.
+SKYLAKE_AVX512_FEATURES = HASWELL_FEATURES | {"avx512f", "avx512cd", "avx512bw", "avx512dq",
+                                              "avx512vl"}  # fmt: skip
 
-@pytest.mark.skipif(
-    platform.machine().lower() not in ("x86_64", "amd64")
-    or not HASWELL_FEATURES
-    <= {f[1:] for f in binding.get_host_cpu_features().flatten().split(",") if f[0] == "+"},
-    reason="runs haswell's code: needs an x86 CPU with its features",
+
+def _host_runs(features):
+    host = {f[1:] for f in binding.get_host_cpu_features().flatten().split(",") if f[0] == "+"}
+    return platform.machine().lower() in ("x86_64", "amd64") and features <= host
+
+
+@pytest.mark.parametrize(
+    "cpu, features",
+    [("haswell", HASWELL_FEATURES), ("skylake-avx512", SKYLAKE_AVX512_FEATURES)],
+    ids=["avx2", "avx512-without-bf16"],
 )
-def test_bfloat16_code_for_avx2_runs_with_the_contracts_bits(tmp_path):
-    # Where this CPU has AVX-512, the kernels it runs are not the ones an AVX2 machine
-    # gets (bfloat16 word steps of 8, vector.NARROW_WORD_WIDTHS; the integer rounding):
-    # compiled for haswell in a subprocess and run here, they give the bits of the
-    # float64 reference's contract, exact (one rounding per operation, no FMA), on
-    # every CPU that can run them.
-    assert _run_compiled_for("haswell", ["bfloat16"], tmp_path) == 2 * 6 * 3 * 2
+def test_bfloat16_code_for_other_cpus_runs_with_the_contracts_bits(tmp_path, cpu, features):
+    # Where this CPU has AVX512_BF16, the kernels it runs are not the ones a CPU without
+    # it gets: on AVX2 bfloat16 word steps of 8 (vector.NARROW_WORD_WIDTHS) and the
+    # integer rounding, on AVX-512 without AVX512_BF16 (the most common x86 servers)
+    # the integer rounding on 512-bit vectors. Compiled for such a CPU in a subprocess
+    # and run here, they give the bits of the float64 reference's contract, exact (one
+    # rounding per operation, no FMA), on every CPU that can run them.
+    if not _host_runs(features):
+        pytest.skip(f"runs {cpu}'s code: needs an x86 CPU with its features")
+    assert _run_compiled_for(cpu, ["bfloat16"], tmp_path) == 2 * 6 * 3 * 2
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 code")
