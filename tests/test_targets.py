@@ -394,7 +394,7 @@ def _host_runs(features):
 def test_bfloat16_code_for_other_cpus_runs_with_the_contracts_bits(tmp_path, cpu, features):
     # Where this CPU has AVX512_BF16, the kernels it runs are not the ones a CPU without
     # it gets: on AVX2 bfloat16 word steps of 8 (vector.NARROW_WORD_WIDTHS) and the
-    # integer rounding, on AVX-512 without AVX512_BF16 (the most common x86 servers)
+    # integer rounding, on AVX-512 without AVX512_BF16 (Skylake-SP to Ice Lake servers)
     # the integer rounding on 512-bit vectors. Compiled for such a CPU in a subprocess
     # and run here, they give the bits of the float64 reference's contract, exact (one
     # rounding per operation, no FMA), on every CPU that can run them.
