@@ -13,7 +13,9 @@ lent for GPU checks has 16), to see from how many threads the parallel region pa
 calls of this size, and how far onnxruntime pulls ahead with its threads.
 
 For each workload, dtype and thread count (``numba.set_num_threads``; at most
-``NUMBA_NUM_THREADS``) it prints the median and 95th percentile per call of:
+``NUMBA_NUM_THREADS``) it prints the median and 95th percentile per call of the rows
+below, and at the end, for each workload and dtype, the fewest threads at which the
+parallel region and onnxruntime were first faster than the helper (:func:`verdicts`):
 
 * ``helper``: ``rotary_embedding(..., out=)`` as the library sends it (two threads);
 * ``parallel``: the same with ``PARALLEL_MIN_ELEMENTS`` = 0 (numba's parallel region);
@@ -119,6 +121,42 @@ def measure(
     return rows
 
 
+def verdicts(rows: list[tuple[str, str, int, str, float, float]]) -> list[str]:
+    """One line per (workload, dtype) of ``rows``: the fewest threads at which numba's
+    parallel region, and onnxruntime, were first faster than the helper (medians), or
+    that they never were at the counts tried.
+
+    >>> rows = [("decode", "float32", 2, "helper", 20.0, 25.0),
+    ...         ("decode", "float32", 2, "parallel", 21.0, 26.0),
+    ...         ("decode", "float32", 4, "helper", 19.0, 24.0),
+    ...         ("decode", "float32", 4, "parallel", 12.5, 15.0)]
+    >>> verdicts(rows)
+    ['decode float32: the parallel region first faster than the helper at 4 threads (12.5 against 19.0 us)']
+    """
+    medians: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
+    for workload, dtype, threads, mode, median, _ in rows:
+        medians.setdefault((workload, dtype), {}).setdefault(threads, {})[mode] = median
+    lines = []
+    for (workload, dtype), by_threads in medians.items():
+        parts = []
+        for rival, name in (("parallel", "the parallel region"), ("onnxruntime", "onnxruntime")):
+            counts = [t for t in sorted(by_threads) if {rival, "helper"} <= set(by_threads[t])]
+            if not counts:
+                continue
+            faster = [t for t in counts if by_threads[t][rival] < by_threads[t]["helper"]]
+            if faster:
+                first = by_threads[faster[0]]
+                parts.append(
+                    f"{name} first faster than the helper at {faster[0]} threads "
+                    f"({first[rival]:.1f} against {first['helper']:.1f} us)"
+                )
+            else:
+                parts.append(f"{name} slower than the helper at every count tried")
+        if parts:
+            lines.append(f"{workload} {dtype}: " + "; ".join(parts))
+    return lines
+
+
 def _line(row: tuple[str, str, int, str, float, float]) -> str:
     workload, dtype, threads, mode, median, p95 = row
     return f"{workload:10s} {dtype:9s} {threads:7d}  {mode:12s} {median:9.2f} {p95:9.2f}"
@@ -147,13 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'workload':10s} {'dtype':9s} {'threads':>7s}  {'mode':12s} {'median us':>9s} {'p95 us':>9s}"
     )
-    measure(
+    rows = measure(
         args.workloads.split(","),
         args.dtypes.split(","),
         sorted(set(counts)),
         args.repeats,
         args.rounds,
     )
+    print()
+    for line in verdicts(rows):
+        print(line)
     return 0
 
 
