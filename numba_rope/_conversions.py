@@ -400,21 +400,37 @@ def _bfloat16_pair_integer_vector_code(builder, low, high, constants):
 # vector, rarely true) takes the integer code instead, so the bits do not depend on
 # the CPU.
 
-#: LLVM CPU names that have AVX512_BF16 (with AVX512DQ and AVX512VL), for a target named without
-#: features (``NUMBA_CPU_NAME`` with ``NUMBA_CPU_FEATURES=""``); an unknown name gets
-#: the integer code, which is right on every CPU.
-_BF16_CPUS = frozenset(
-    {
-        "cooperlake",
-        "sapphirerapids",
-        "emeraldrapids",
-        "graniterapids",
-        "graniterapids-d",
-        "diamondrapids",
-        "znver4",
-        "znver5",
-    }
+# LLVM's x86-64 CPU names by the extensions their models imply, for a target named
+# without features (``NUMBA_CPU_NAME`` with ``NUMBA_CPU_FEATURES=""``), whose feature
+# string shows none: the names of LLVM 14 to 22. A name in none of them gets the code
+# that is right on every CPU (integer conversions, narrower vectors).
+# tests/test_bench_report.py holds each set to the code LLVM emits for each name; the
+# bench's header (``bench.report.vector_extensions``) reads them too.
+
+#: Names with AVX512-FP16.
+FP16_CPUS = frozenset(
+    {"sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d", "diamondrapids"}
 )
+#: Names with AVX512_BF16 (and AVX512DQ, AVX512VL).
+BF16_CPUS = FP16_CPUS | {"cooperlake", "znver4", "znver5"}
+#: Names with AVX512F, AVX512BW and AVX512VL.
+AVX512_CPUS = BF16_CPUS | {
+    "skylake-avx512", "skx", "cascadelake", "cannonlake", "icelake-client",
+    "icelake-server", "tigerlake", "rocketlake", "x86-64-v4",
+}  # fmt: skip
+#: Names with AVX2.
+AVX2_CPUS = AVX512_CPUS | {
+    "haswell", "core-avx2", "broadwell", "skylake", "alderlake", "raptorlake",
+    "meteorlake", "arrowlake", "arrowlake-s", "lunarlake", "pantherlake", "gracemont",
+    "sierraforest", "grandridge", "clearwaterforest", "znver1", "znver2", "znver3",
+    "bdver4", "x86-64-v3",
+}  # fmt: skip
+#: Names with FMA3.
+FMA_CPUS = AVX2_CPUS | {"bdver2", "bdver3"}
+#: Names with F16C (which implies AVX).
+F16C_CPUS = FMA_CPUS | {"ivybridge", "core-avx-i", "btver2"}
+#: Names with AVX.
+AVX_CPUS = F16C_CPUS | {"sandybridge", "corei7-avx", "bdver1"}
 
 #: ``vfpclassps`` classes: quiet NaN, subnormal, signaling NaN.
 _NAN_OR_SUBNORMAL = 0x01 | 0x20 | 0x80
@@ -452,60 +468,29 @@ def _target_has(context, features, named_cpus) -> bool:
 def has_bfloat16_instructions(context) -> bool:
     """Whether the CPU target of ``context`` has AVX512_BF16, AVX512DQ and AVX512VL
     (see :func:`bfloat16_pair_vector_code`)."""
-    return _target_has(context, ("+avx512bf16", "+avx512dq", "+avx512vl"), _BF16_CPUS)
-
-
-#: LLVM CPU names that have AVX512F and AVX512VL (see :data:`_BF16_CPUS`).
-_AVX512_CPUS = _BF16_CPUS | {
-    "skylake-avx512",
-    "cascadelake",
-    "cannonlake",
-    "icelake-client",
-    "icelake-server",
-    "tigerlake",
-    "rocketlake",
-    "x86-64-v4",
-}
+    return _target_has(context, ("+avx512bf16", "+avx512dq", "+avx512vl"), BF16_CPUS)
 
 
 def has_avx512(context) -> bool:
     """Whether the CPU target of ``context`` has AVX512F and AVX512VL (see
     :func:`pair_constants`)."""
-    return _target_has(context, ("+avx512f", "+avx512vl"), _AVX512_CPUS)
-
-
-#: LLVM CPU names that have AVX512-FP16.
-_FP16_CPUS = frozenset(
-    {"sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d", "diamondrapids"}
-)
-
-
-#: LLVM CPU names that have F16C.
-_F16C_CPUS = _AVX512_CPUS | frozenset(
-    "ivybridge core-avx-i haswell core-avx2 broadwell skylake alderlake gracemont "
-    "raptorlake meteorlake arrowlake lunarlake sierraforest grandridge clearwaterforest "
-    "znver1 znver2 znver3 znver5 btver2 bdver2 bdver3 bdver4 x86-64-v3".split()
-)
+    return _target_has(context, ("+avx512f", "+avx512vl"), AVX512_CPUS)
 
 
 def has_f16c(context) -> bool:
     """Whether the CPU target of ``context`` has F16C (which implies AVX)."""
-    return _target_has(context, ("+f16c",), _F16C_CPUS)
-
-
-#: LLVM CPU names that have AVX.
-_AVX_CPUS = _F16C_CPUS | frozenset({"sandybridge", "corei7-avx", "bdver1"})
+    return _target_has(context, ("+f16c",), F16C_CPUS)
 
 
 def has_avx(context) -> bool:
     """Whether the CPU target of ``context`` has AVX (256-bit vector registers)."""
-    return _target_has(context, ("+avx",), _AVX_CPUS)
+    return _target_has(context, ("+avx",), AVX_CPUS)
 
 
 def has_float16_arithmetic(context) -> bool:
     """Whether the CPU target of ``context`` has AVX512-FP16, whose vectors of LLVM
     ``half`` are legal types (see :func:`float16_integer_code`)."""
-    return _target_has(context, ("+avx512fp16",), _FP16_CPUS)
+    return _target_has(context, ("+avx512fp16",), FP16_CPUS)
 
 
 def float16_integer_code(builder, value):

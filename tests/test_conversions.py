@@ -17,7 +17,9 @@ from oracles import BFLOAT16, bits
 from numba_rope import _conversions as conversions
 from numba_rope._conversions import (
     _HALF_FORMATS,
+    AVX512_CPUS,
     BFLOAT16_STORAGE,
+    F16C_CPUS,
     FLOAT16_STORAGE,
     _float16_to_float32,
     _float16_to_float32_without_f16c,
@@ -347,9 +349,7 @@ def test_float16_integer_conversion_rounds_like_numpy(rng, lanes):
     # targets: round to nearest even (MXCSR's mode, never changed by the package), as
     # NumPy's float16 cast; 32 lanes as two conversions joined, in order. Runs where
     # the host has the instructions (F16C for 8 lanes, AVX-512F for 16 and 32).
-    from numba_rope.bench.report import _AVX512_NAMED, _F16C_NAMED  # a CPU named alone
-
-    needed, named = (("+f16c",), _F16C_NAMED) if lanes == 8 else (("+avx512f",), _AVX512_NAMED)
+    needed, named = (("+f16c",), F16C_CPUS) if lanes == 8 else (("+avx512f",), AVX512_CPUS)
     if not _target_has(cpu_target.target_context, needed, named):
         pytest.skip(f"this CPU has no {needed[0][1:]}")
     values = _interesting_float32(rng)

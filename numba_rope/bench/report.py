@@ -20,6 +20,7 @@ import numba
 import numpy as np
 
 import numba_rope
+from numba_rope import _conversions as conversions
 from numba_rope.bench.timing import REPEATS, SINGLE_CALL_REPEATS
 from numba_rope.bench.workloads import WORKLOADS
 
@@ -107,25 +108,11 @@ _ARM = ("neon", "fullfp16", "bf16", "sve", "sve2")
 
 # A CPU named without features (``NUMBA_CPU_NAME`` with ``NUMBA_CPU_FEATURES=""``, as
 # the tests compile other CPUs' code) gets the features LLVM's CPU model of that name
-# implies, which no feature string shows: these are the x86-64 names of LLVM 14 to 22
-# with each of ``_X86``'s extensions. A name in none of them (Xeon Phi's, 32-bit CPUs',
-# one added to LLVM later) is shown as unknown, not as having none.
-_FP16_NAMED = frozenset(
-    {"sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d", "diamondrapids"}
-)
-_BF16_NAMED = _FP16_NAMED | {"cooperlake", "znver4", "znver5"}
-_AVX512_NAMED = _BF16_NAMED | {
-    "skylake-avx512", "skx", "cascadelake", "cannonlake", "icelake-client",
-    "icelake-server", "tigerlake", "rocketlake", "x86-64-v4",
-}  # fmt: skip
-_AVX2_NAMED = _AVX512_NAMED | {
-    "haswell", "core-avx2", "broadwell", "skylake", "alderlake", "raptorlake",
-    "meteorlake", "arrowlake", "arrowlake-s", "lunarlake", "pantherlake", "gracemont",
-    "sierraforest", "grandridge", "clearwaterforest", "znver1", "znver2", "znver3",
-    "bdver4", "x86-64-v3",
-}  # fmt: skip
-_FMA_NAMED = _AVX2_NAMED | {"bdver2", "bdver3"}
-_F16C_NAMED = _FMA_NAMED | {"ivybridge", "core-avx-i", "btver2"}
+# implies, which no feature string shows: the kernels' own table of x86-64 names
+# (``numba_rope._conversions``), by each of ``_X86``'s extensions. A name in none of them
+# (Xeon Phi's, 32-bit CPUs', one added to LLVM later) is shown as unknown, not as
+# having none.
+
 #: The x86-64 names of CPUs with none of them (SSE-only and first-AVX CPUs).
 _PLAIN_NAMED = frozenset(
     {
@@ -136,14 +123,14 @@ _PLAIN_NAMED = frozenset(
     }
 )  # fmt: skip
 _NAMED = {
-    "avx512f": _AVX512_NAMED,
-    "avx512bw": _AVX512_NAMED,
-    "avx512vl": _AVX512_NAMED,
-    "avx512bf16": _BF16_NAMED,
-    "avx512fp16": _FP16_NAMED,
-    "avx2": _AVX2_NAMED,
-    "fma": _FMA_NAMED,
-    "f16c": _F16C_NAMED,
+    "avx512f": conversions.AVX512_CPUS,
+    "avx512bw": conversions.AVX512_CPUS,
+    "avx512vl": conversions.AVX512_CPUS,
+    "avx512bf16": conversions.BF16_CPUS,
+    "avx512fp16": conversions.FP16_CPUS,
+    "avx2": conversions.AVX2_CPUS,
+    "fma": conversions.FMA_CPUS,
+    "f16c": conversions.F16C_CPUS,
 }
 
 
@@ -151,7 +138,7 @@ def _implied_by_name(cpu: str) -> set[str] | None:
     """The extensions of ``_X86`` that LLVM's x86 CPU ``cpu`` has, or None for a name
     not listed here."""
     name = cpu.lower()
-    if name not in _F16C_NAMED and name not in _PLAIN_NAMED:
+    if name not in conversions.F16C_CPUS and name not in _PLAIN_NAMED:
         return None
     return {feature for feature, names in _NAMED.items() if name in names}
 
