@@ -43,6 +43,10 @@ MASKED_EMERALDRAPIDS = (
     "emeraldrapids:+avx512f,+avx512dq,+avx512vl,+avx512bw,+f16c,"
     "-avx512bf16,-avx512fp16,-amx-bf16,-amx-fp16,-amx-tile"
 )
+
+#: Whether this machine runs x86-64 code (the tests that run or compile x86 CPUs' code).
+X86_64_HOST = platform.machine().lower() in ("x86_64", "amd64")
+
 TARGETS = ["haswell", "skylake-avx512", "znver4", "sapphirerapids", MASKED_EMERALDRAPIDS]
 AVX512 = {"skylake-avx512", "znver4", "sapphirerapids", MASKED_EMERALDRAPIDS}
 AVX512_BF16 = {"znver4", "sapphirerapids"}
@@ -219,7 +223,7 @@ def _script_for(cpu, features, cache, script, *arguments):
     )
 
 
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 targets")
+@pytest.mark.skipif(not X86_64_HOST, reason="x86 targets")
 @pytest.mark.parametrize("cpu", TARGETS, ids=lambda cpu: cpu.replace(":", " ")[:28])
 def test_kernels_compiled_for_other_x86_cpus_fuse_only_exact_products(tmp_path, cpu):
     name, _, features = cpu.partition(":")
@@ -383,7 +387,7 @@ SKYLAKE_AVX512_FEATURES = HASWELL_FEATURES | {"avx512f", "avx512cd", "avx512bw",
 
 def _host_runs(features):
     host = {f[1:] for f in binding.get_host_cpu_features().flatten().split(",") if f[0] == "+"}
-    return platform.machine().lower() in ("x86_64", "amd64") and features <= host
+    return X86_64_HOST and features <= host
 
 
 @pytest.mark.parametrize(
@@ -403,7 +407,7 @@ def test_bfloat16_code_for_other_cpus_runs_with_the_contracts_bits(tmp_path, cpu
     assert _run_compiled_for(cpu, ["bfloat16"], tmp_path) == 2 * 6 * 3 * 2
 
 
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 code")
+@pytest.mark.skipif(not X86_64_HOST, reason="x86 code")
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_code_for_x86_64_without_avx_runs_with_the_contracts_bits(tmp_path, dtype):
     # The oldest x86-64 (SSE2 only; no AVX, no F16C): every x86-64 CPU runs its code.
@@ -500,7 +504,7 @@ def _has_aarch64_backend():
     return True
 
 
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 host")
+@pytest.mark.skipif(not X86_64_HOST, reason="x86 host")
 @pytest.mark.skipif(not _has_aarch64_backend(), reason="llvmlite without LLVM's AArch64 backend")
 def test_kernels_compile_for_64_bit_arm_with_the_contract(tmp_path):
     # No Arm machine runs this suite: the kernels' code, generated as on one, compiled by
