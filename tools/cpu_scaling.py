@@ -42,7 +42,7 @@ import numba
 
 from numba_rope import bench, config, rotary_embedding
 from numba_rope._aligned import empty_on_line
-from numba_rope.bench.peers import Unavailable, _onnxruntime
+from numba_rope.bench.peers import Unavailable, prepare
 from numba_rope.bench.targets import target
 from numba_rope.bench.timing import time_calls
 
@@ -103,7 +103,7 @@ def measure(
                         for name, value in saved.items():
                             setattr(config, name, value)
                         try:
-                            prepared = _onnxruntime(case, target("cpu"), threads)
+                            prepared = prepare("onnxruntime", case, target("cpu"), threads)
                         except Unavailable:
                             continue
                         figures.setdefault("onnxruntime", []).append(timed(prepared.call, repeats))

@@ -44,8 +44,8 @@ def main() -> None:
         for dtype in args.dtypes.split(","):
             case = bench.make_case(workload, dtype)
             calls = {
-                "numba_rope": peers._numba_rope_out(case, target, threads).call,
-                "onnxruntime": peers._onnxruntime(case, target, threads).call,
+                "numba_rope": peers.prepare("numba_rope", case, target, threads).call,
+                "onnxruntime": peers.prepare("onnxruntime", case, target, threads).call,
             }
             once = min(per_call(calls["numba_rope"], 3) for _ in range(3))
             number = max(3, int(args.sample_ms * 1e-3 / once))

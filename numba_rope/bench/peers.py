@@ -420,3 +420,26 @@ def implementations(device: str, threads: int) -> list[Implementation]:
         ]
     found.append(Implementation("torch eager", "rope", _torch))
     return found
+
+
+def prepare(name: str, case: Case, tgt: Any, threads: int) -> Prepared:
+    """The prepared call of the implementation called ``name`` in
+    :func:`implementations` (for the device ``tgt`` names), for tools that time one
+    peer on its own; raises :class:`Unavailable` where it cannot run and ``KeyError``
+    for a name the device has no implementation of.
+
+    >>> from numba_rope.bench import make_case, target
+    >>> case = make_case("seed", "float32")
+    >>> copy = prepare("x.copy() (allocating, 1 thread)", case, target("cpu"), 1)
+    >>> copy.call()
+    >>> bool((copy.output() == case.input).all())
+    True
+    >>> prepare("cuBLAS", case, target("cpu"), 1)
+    Traceback (most recent call last):
+    KeyError: "no implementation called 'cuBLAS' on cpu"
+    """
+    device = tgt.name
+    for implementation in implementations(device, threads):
+        if implementation.name == name:
+            return implementation.prepare(case, tgt, threads)
+    raise KeyError(f"no implementation called {name!r} on {device}")
