@@ -544,6 +544,71 @@ def test_a_forked_child_starts_a_helper_of_its_own_and_both_exit_cleanly():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
+def test_python_threads_calling_at_once_make_one_helper_and_start_one_thread():
+    # Making the helper (it looks up the C library) and starting its thread (it times
+    # the idle loop, compiles the loop) let other Python threads run. Both are slowed
+    # here, each by a sleep, so that the four threads are inside them at once. Without
+    # a lock, a helper made and dropped kept its thread, which wrote into its freed
+    # CPU masks, and two threads could serve one block.
+    script = DECODE + textwrap.dedent("""
+    import gc, time
+    def slowed(function):
+        def slow(*arguments):
+            time.sleep(0.05)
+            return function(*arguments)
+        return slow
+    helper._libc_address = slowed(helper._libc_address)
+    helper._turns_per_microsecond = slowed(helper._turns_per_microsecond)
+    barrier, failed = threading.Barrier(4), []
+    def call():
+        barrier.wait()
+        try:
+            check()
+        except BaseException as error:
+            failed.append(error)
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failed, failed
+    made = [o for o in gc.get_objects() if type(o) is helper.Helper]
+    assert len(made) == 1 and made[0] is helper._helper, made
+    assert len(helpers()) == 1, helpers()
+    print("ok")
+    """)
+    result = _python(script, NUMBA_NUM_THREADS="2")
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_child_forked_while_the_helper_is_being_started_starts_its_own():
+    # The parent's lock is held at the fork (as by another thread starting the
+    # helper): the child's first helper call must not wait on it for ever.
+    script = DECODE + textwrap.dedent("""
+    import time
+    with helper._lock:
+        pid = os.fork()
+        if pid == 0:
+            check()
+            os._exit(0 if len(helpers()) == 1 else 1)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        raise SystemExit("the child hung")
+    assert os.waitstatus_to_exitcode(status) == 0
+    check()
+    print("ok")
+    """)
+    result = _python("import os\n" + script, NUMBA_NUM_THREADS="2")
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
 def test_the_thread_count_follows_numba_without_starting_its_threads():
     # Asking numba (numba.get_num_threads) starts its worker threads; a decode step
     # must not, or a later fork child would lose its parallel regions.

@@ -114,7 +114,17 @@ class Helper:
 
     def start(self) -> None:
         """Start the helper thread unless it runs, and give it this moment's
-        ``config.HELPER_SPIN_MICROSECONDS`` (returns at once)."""
+        ``config.HELPER_SPIN_MICROSECONDS`` (returns at once). Python threads that
+        call at once start one thread: the first takes :data:`_lock`, the others wait
+        for it and then find the thread started."""
+        if self.thread is None or self.spin_microseconds != config.HELPER_SPIN_MICROSECONDS:
+            with _lock:
+                self._start()
+
+    def _start(self) -> None:
+        # start()'s work, under _lock: compiling relay.serve and starting the thread let
+        # other Python threads run, which would otherwise start a second helper thread
+        # on this block.
         if self.spin_microseconds != config.HELPER_SPIN_MICROSECONDS:
             self.spin_microseconds = config.HELPER_SPIN_MICROSECONDS
             if not self.turns_per_microsecond:
@@ -193,13 +203,25 @@ def _signature(array: Any) -> Any:
 
 _helper: Helper | None = None
 
+#: Held while the helper is made and while its thread is started: both let other
+#: Python threads run (``Helper()`` looks up the C library, which may start a
+#: process; starting compiles or loads the loop), and two threads calling at once
+#: would otherwise make two helpers, or start two threads on one block. A helper
+#: made and dropped that way had already started its thread, which went on writing
+#: CPU masks into the dropped helper's freed array.
+_lock = threading.Lock()
+
 
 def helper() -> Helper:
-    """This process's helper (made on first use)."""
+    """This process's helper (made on first use; one, whichever threads call at once)."""
     global _helper
-    if _helper is None:
-        _helper = Helper()
-    return _helper
+    found = _helper
+    if found is None:
+        with _lock:
+            if _helper is None:
+                _helper = Helper()
+            found = _helper
+    return found
 
 
 def usable(size: int) -> bool:
@@ -211,8 +233,10 @@ def usable(size: int) -> bool:
 
 def _forget_after_fork() -> None:
     # The child has no helper thread; a call there starts one with a block of its own.
-    global _helper
+    # The lock too is new: another thread of the parent may have held it at the fork.
+    global _helper, _lock
     _helper = None
+    _lock = threading.Lock()
 
 
 def _stop_at_exit() -> None:
