@@ -15,6 +15,10 @@ whether this process may run parallel regions, and whether the JIT compiler is o
   children): the CPU kernels and the cos/sin kernel then run their serial versions,
   whose results are the same bits. numba's ``workqueue`` and ``tbb`` layers start
   afresh in a forked child and keep their threads.
+* A fork waits for a compilation under way on another thread to end (numba's compiler
+  lock is taken before it and released after it, in the parent and the child): the
+  child would otherwise inherit the lock held by a thread it does not have, and its
+  first call that compiles or loads a function would wait for ever.
 * The on-disk cache of every such function is stale when any source file of the
   package changes (:func:`keyed_on_package_sources`), not only the function's own;
   and what other versions of the package left for it is deleted when it is saved
@@ -425,6 +429,18 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):  # POSIX only: Windows has no fork
     os.register_at_fork(after_in_child=_after_fork_in_child)
+    # numba's compiler lock, held across the fork: a thread compiling at that moment
+    # (numba_rope compiles on a thread of its own, see apart) would otherwise leave it
+    # held in the child, where no thread releases it, and the child's first call that
+    # compiles or loads a function from numba's cache would wait for ever. A fork waits
+    # for a compilation under way to end, as the logging module's lock makes it wait
+    # for a record being written; the forking thread may hold the lock itself (it is
+    # reentrant).
+    os.register_at_fork(
+        before=global_compiler_lock.acquire,
+        after_in_parent=global_compiler_lock.release,
+        after_in_child=global_compiler_lock.release,
+    )
 
 
 def parallel_regions_usable() -> bool:

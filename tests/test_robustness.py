@@ -242,6 +242,65 @@ def test_calls_in_forked_children_give_the_parents_bits(layer):
         assert f"layer {layer}" in result.stdout
 
 
+COMPILING_AT_FORK_SCRIPT = """
+import os, signal, sys, threading, time
+import numpy as np
+import numba_rope
+from numba.core.compiler_lock import global_compiler_lock
+from numba_rope import reference
+
+x = np.random.default_rng(5).standard_normal((2, 4, 8, 64)).astype(np.float32)
+cos, sin = numba_rope.rope_cache(16, 64, dtype=np.float32)
+ids = np.arange(8)[None].repeat(2, 0)
+numba_rope.rotary_embedding(x, cos, sin, ids)  # the process has run calls before
+
+# Another thread compiling at the fork, for as long as the fork takes: it holds numba's
+# compiler lock (as numba_rope's compiler thread does, see _jit.apart).
+compiling, fork_started, released = threading.Event(), threading.Event(), []
+def compile_elsewhere():
+    with global_compiler_lock:
+        compiling.set()
+        fork_started.wait()
+        time.sleep(0.5)
+        released.append(time.monotonic())
+compiler = threading.Thread(target=compile_elsewhere)
+compiler.start()
+compiling.wait()
+fork_started.set()
+pid = os.fork()
+if pid == 0:
+    # A signature new to the process: compiled, or loaded from numba's cache, here.
+    y = x.astype(np.float64)
+    got = numba_rope.rotary_embedding(y, cos, sin, ids, interleaved=True)
+    want = reference.rotary_embedding(y, cos, sin, ids, interleaved=True)
+    os._exit(0 if np.array_equal(got, want) else 3)
+returned = time.monotonic()
+compiler.join()
+deadline = time.monotonic() + 240
+while True:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    if time.monotonic() > deadline:
+        os.kill(pid, signal.SIGKILL)
+        sys.exit("the child hung: it inherited numba's compiler lock held")
+    time.sleep(0.05)
+assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+assert returned >= released[0], "the fork did not wait for the compilation"
+assert global_compiler_lock._lock.acquire(blocking=False)  # the parent's is free again
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_fork_while_another_thread_compiles_waits_for_it_and_the_child_compiles():
+    """A fork waits for a compilation under way on another thread; the child then
+    compiles (or loads) a new signature. Before, the child inherited numba's compiler
+    lock held by a thread it does not have, and its first such call hung."""
+    result = _run(COMPILING_AT_FORK_SCRIPT, _env(ROOT, NUMBA_NUM_THREADS="2"), ROOT)
+    assert "ok" in result.stdout
+
+
 # -- NUMBA_DISABLE_JIT ---------------------------------------------------------------------
 
 DISABLED_JIT_SCRIPT = """
