@@ -533,12 +533,24 @@ def _records(first: Tensor, second: Tensor | None = None) -> int:
     else:
         mode = 1
     if torch.compiler.is_compiling():
-        if mode == 2:
-            # The op's registered autograd has no forward mode: that call runs eagerly,
-            # through the forward-mode function (with fullgraph=True, Dynamo says so).
-            torch._dynamo.graph_break()
-        return 0
+        # The op's registered autograd has no forward mode: that call runs eagerly,
+        # through the forward-mode function (recorded_op runs it by _eagerly; with
+        # fullgraph=True Dynamo refuses that). A graph break here would not do: torch
+        # resumes tracing inside this function after it, where it took the op and
+        # lost the tangent.
+        return 2 if mode == 2 else 0
     return 0 if torch.jit.is_tracing() else mode
+
+
+@torch.compiler.disable
+def _eagerly(function: Any, inputs: tuple) -> Any:
+    """``function.apply(*inputs)`` outside any compiled graph, and with nothing under
+    it compiled: Dynamo breaks a graph at this call and runs it as it is, its
+    forward-mode tangents included. (A forward-mode call made eagerly inside a
+    compiled function, as ``torch.func.jvp`` runs there, had its autograd.Function's
+    ``forward`` compiled as a frame of its own, where the op lost its tangents' link
+    and torch failed an internal assertion.)"""
+    return function.apply(*inputs)
 
 
 def _differentiating() -> bool:
@@ -588,7 +600,9 @@ def recorded_op(*inputs: Any) -> Tensor:
     if mode == 0:
         direct = _direct(inputs[:4] + inputs[5:6])  # its tensors: input to offsets
         return _rotary_impl(*inputs) if direct else _rotary_op(*inputs)
-    return (_RotaryDual if mode == 2 else _Rotary).apply(*inputs)
+    if mode == 2:  # eagerly, compiled or not: see _eagerly
+        return _eagerly(_RotaryDual, inputs)  # type: ignore[no-any-return]
+    return _Rotary.apply(*inputs)
 
 
 def recorded_qk_op(*inputs: Any) -> tuple[Tensor, Tensor]:
@@ -597,7 +611,9 @@ def recorded_qk_op(*inputs: Any) -> tuple[Tensor, Tensor]:
     if mode == 0:
         direct = _direct(inputs[:5] + inputs[6:7])  # its tensors: q to offsets
         return _rotary_qk_impl(*inputs) if direct else _rotary_qk_op(*inputs)
-    return (_RotaryQKDual if mode == 2 else _RotaryQK).apply(*inputs)
+    if mode == 2:  # eagerly, compiled or not: see _eagerly
+        return _eagerly(_RotaryQKDual, inputs)  # type: ignore[no-any-return]
+    return _RotaryQK.apply(*inputs)
 
 
 # -- the public functions ---------------------------------------------------------------

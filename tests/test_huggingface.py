@@ -307,7 +307,7 @@ def test_torch_halves_refused_and_numpy_ids(hf):
     assert torch.equal(got, q + 1)  # angle 0: unchanged
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 def test_forward_mode_tangents_of_q_and_k(rng):
     """torch.func.jvp through the torch path (full-width tensor caches, halved in the
     op): each tangent is its rotation (numba_rope.reference, float64); caches with a
@@ -333,7 +333,7 @@ def test_forward_mode_tangents_of_q_and_k(rng):
         )
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")
 def test_compiles_in_a_module_with_fullgraph(hf):
     """A Llama-style block: transformers' rotary module, then this apply_rotary_pos_emb,
     traced whole by torch.compile (aot_eager: the same tracing, no C++ build); its

@@ -145,7 +145,7 @@ def test_flash_attn_is_differentiable_like_flash_attn(rng):
         flash_attn.apply_rotary_emb(x, cos, sin, inplace=True, cu_seqlens=cu_seqlens)
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 def test_flash_attn_forward_mode_equals_torch_arithmetic(rng):
     """A tensor with a forward-mode tangent, or under torch.func.vmap, goes through
     numba_rope.torch too: the tangent from torch.func.jvp equals torch's own forward
