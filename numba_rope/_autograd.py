@@ -10,8 +10,10 @@ follows is therefore refused there, with the way out (:func:`check_unrecorded`):
 * one inside a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``, ...), whose
   memory is not the values it stands for (:func:`transformed`).
 
-:mod:`numba_rope.torch` records both modes. torch is imported by these functions
-only, which run for a caller who passed a tensor: it is already imported then.
+:mod:`numba_rope.torch` records both modes. A call on torch tensors inside a function
+that torch.compile traces runs outside its graph (:func:`outside_graphs`): Dynamo
+cannot trace the NumPy views and numba's code under it. torch is imported by these
+functions only, which run for a caller who passed a tensor: it is already imported then.
 """
 
 from __future__ import annotations
@@ -131,3 +133,30 @@ def _numpy(tensor: Any) -> Any:
             raise
         with below_transforms():
             return tensor.numpy()
+
+
+#: Functions of numba_rope under ``torch.compiler.disable``, by function (see
+#: :func:`outside_graphs`).
+_OUTSIDE_GRAPHS: dict[Any, Any] = {}
+
+
+def compiling() -> bool:
+    """Whether torch.compile (Dynamo) is tracing the calling code."""
+    import torch
+
+    return bool(torch.compiler.is_compiling())
+
+
+def outside_graphs(function: Any) -> Any:
+    """``function`` under ``torch.compiler.disable``: called while torch.compile traces
+    a function, it breaks the graph there and runs as it is, outside it. The array API
+    on torch tensors makes NumPy views of their memory and calls numba's compiled
+    code, which Dynamo cannot trace: it turned an ``int`` offset into a 0-d array, and
+    numba refused that with a typing error. (The functions of ``numba_rope.torch`` are
+    torch custom ops, which it traces.)"""
+    found = _OUTSIDE_GRAPHS.get(function)
+    if found is None:
+        import torch
+
+        found = _OUTSIDE_GRAPHS[function] = torch.compiler.disable(function)
+    return found

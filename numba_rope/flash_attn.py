@@ -37,13 +37,28 @@ Array offsets without ``cu_seqlens`` are read on the host the same way.
 
 from __future__ import annotations
 
+import functools
 import operator
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
-from numba_rope._autograd import forward_ad_active, tangent, transformed
-from numba_rope._interop import add_leading_axis, host_integers, host_tensor, like, to_host
+from numba_rope._autograd import (
+    compiling,
+    forward_ad_active,
+    outside_graphs,
+    tangent,
+    transformed,
+)
+from numba_rope._interop import (
+    add_leading_axis,
+    host_integers,
+    host_tensor,
+    is_torch,
+    like,
+    to_host,
+)
 from numba_rope.rotary import rotary_embedding, rotary_embedding_qk
 
 __all__ = [
@@ -55,6 +70,25 @@ __all__ = [
 ]
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _outside_compiled_graphs(function: _F) -> _F:
+    """``function``, run outside torch.compile's graph where it traces a call on a
+    torch tensor (:func:`~numba_rope._autograd.outside_graphs`: the graph breaks
+    there): its checks and NumPy views are not Dynamo's to trace. Where a traced graph
+    matters, ``numba_rope.torch`` has the operator as torch custom ops."""
+
+    @functools.wraps(function)
+    def run(x: Any, *arguments: Any, **options: Any) -> Any:
+        if is_torch(x) and compiling():
+            return outside_graphs(function)(x, *arguments, **options)
+        return function(x, *arguments, **options)
+
+    return run  # type: ignore[return-value]
+
+
+@_outside_compiled_graphs
 def apply_rotary_emb(
     x: Any,
     cos: Any,
@@ -133,6 +167,7 @@ def apply_rotary_emb(
 apply_rotary_emb_func = apply_rotary_emb
 
 
+@_outside_compiled_graphs
 def apply_rotary(
     x: Any,
     cos: Any,
@@ -228,6 +263,7 @@ def _rotate(x: Any, cos: Any, sin: Any, position_ids: Any, out: Any, **options: 
     return rotary_embedding(x, cos, sin, position_ids, out=out, check_position_ids=False, **options)
 
 
+@_outside_compiled_graphs
 def apply_rotary_emb_qkv_(
     qkv: Any,
     cos: Any,
@@ -324,6 +360,7 @@ def apply_rotary_emb_qkv_(
     return qkv
 
 
+@_outside_compiled_graphs
 def apply_rotary_emb_kv_(
     kv: Any, cos: Any, sin: Any, interleaved: bool = False, seqlen_offsets: Any = 0
 ) -> Any:

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from numba_rope._autograd import compiling, outside_graphs
 from numba_rope._cpu import backend as cpu_backend
 from numba_rope._cpu import torch_host
 from numba_rope._dispatch import backend_for, is_scalar, library
@@ -198,6 +199,13 @@ def rotary_embedding(
                 )
                 if result is not None:
                     return result
+    elif type(input).__module__ == "torch" and compiling():
+        return outside_graphs(rotary_embedding)(  # type: ignore[no-any-return]
+            input, cos_cache, sin_cache, position_ids, interleaved=interleaved,
+            rotary_embedding_dim=rotary_embedding_dim, out=out, layout=layout,
+            num_heads=num_heads, position_offset=position_offset, inverse=inverse,
+            stream=stream, check_position_ids=check_position_ids,
+        )  # fmt: skip
     elif type(input).__module__ == "torch" and (
         position_offset is None or type(position_offset) is int
     ):
@@ -470,6 +478,14 @@ position_offset, inverse, stream, check_position_ids
                 )
                 if results is not None:
                     return results
+    elif type(q).__module__ == "torch" and compiling():
+        return outside_graphs(rotary_embedding_qk)(  # type: ignore[no-any-return]
+            q, k, cos_cache, sin_cache, position_ids, interleaved=interleaved,
+            rotary_embedding_dim=rotary_embedding_dim, out_q=out_q, out_k=out_k,
+            layout=layout, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            position_offset=position_offset, inverse=inverse, stream=stream,
+            check_position_ids=check_position_ids,
+        )  # fmt: skip
     elif type(q).__module__ == "torch" and (
         position_offset is None or type(position_offset) is int
     ):

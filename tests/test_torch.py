@@ -967,6 +967,57 @@ def test_forward_mode_inside_a_compiled_function_is_not_dropped(rng):
         torch.compile(tangent, fullgraph=True, backend="aot_eager")(torch.from_numpy(x))
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_the_array_api_on_tensors_inside_torch_compile_runs_outside_its_graph(rng, backend):
+    """numba_rope.rotary_embedding(_qk) (not numba_rope.torch) on torch CPU tensors in a
+    compiled function: an int offset (which Dynamo makes a symbolic int after a second
+    value), ids, ``out=`` in place, q and k, and flash_attn's form (offsets as ints):
+    the contract's bits. Dynamo traced the NumPy views and numba refused the offset,
+    turned into a 0-d array, with a typing error."""
+    from numba_rope import flash_attn
+
+    x, cos, sin = case(rng, np.float32, shape=(2, 3, 5, 8))
+    tc, ts = tensor(cos), tensor(sin)
+    ids = rng.integers(0, 12, (2, 5))
+
+    def expected(offset=None, position_ids=None, values=x):
+        return reference.rotary_embedding(
+            values, cos, sin, position_ids, position_offset=offset, precision="contract"
+        )
+
+    def new(a, offset):
+        return numba_rope.rotary_embedding(a, tc, ts, position_offset=offset)
+
+    def in_place(a, offset):
+        numba_rope.rotary_embedding(a, tc, ts, position_offset=offset, out=a)
+        return a * 1
+
+    def two(a, offset):
+        return numba_rope.rotary_embedding_qk(a, a * 2, tc, ts, position_offset=offset)[1]
+
+    def flash(a, offset):  # [batch, seq, heads, head]: the bshd layout
+        return flash_attn.apply_rotary_emb(a.transpose(1, 2), tc, ts, seqlen_offsets=offset)
+
+    torch._dynamo.reset()
+    compiled = {name: torch.compile(f, backend=backend) for name, f in
+                {"new": new, "in_place": in_place, "two": two, "flash": flash}.items()}  # fmt: skip
+    for offset in (0, 3, 4):
+        np.testing.assert_array_equal(
+            compiled["new"](torch.from_numpy(x), offset).numpy(), expected(offset)
+        )
+        np.testing.assert_array_equal(
+            compiled["in_place"](torch.from_numpy(x.copy()), offset).numpy(), expected(offset)
+        )
+        np.testing.assert_array_equal(
+            compiled["two"](torch.from_numpy(x), offset).numpy(), expected(offset, values=x * 2)
+        )
+        got = compiled["flash"](torch.from_numpy(x), offset).transpose(1, 2)
+        np.testing.assert_array_equal(got.numpy(), expected(offset))
+    with_ids = torch.compile(lambda a: numba_rope.rotary_embedding(a, tc, ts, torch.from_numpy(ids)),
+                             backend=backend)  # fmt: skip
+    np.testing.assert_array_equal(with_ids(torch.from_numpy(x)).numpy(), expected(position_ids=ids))
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("two", [False, True], ids=["one", "qk"])
