@@ -211,7 +211,7 @@ def rotary_embedding(
     ):
         # Plain torch CPU tensors: the NumPy call on their views, its plans included
         # (what _rotate does for any torch CPU call, with less work on the way).
-        views = torch_host.plain_views((input, cos_cache, sin_cache, position_ids, out))
+        views = torch_host.plain_views((input, cos_cache, sin_cache, position_ids, out), 1)
         if views is not None:
             result = rotary_embedding(
                 views[0], views[1], views[2], views[3], interleaved=interleaved,
@@ -257,6 +257,8 @@ def _torch_host_views(arguments: tuple, names: tuple[str, ...]) -> tuple | None:
         view = views.get(id(argument))
         if view is None:
             view = views[id(argument)] = torch_host.host_view(argument, name)
+        elif name in torch_host.OUTPUT_NAMES:  # in place: viewed first as an input
+            torch_host.check_written(argument, name)
         converted.append(view)
     return tuple(converted) if views else None
 
@@ -490,7 +492,7 @@ position_offset, inverse, stream, check_position_ids
         position_offset is None or type(position_offset) is int
     ):
         # Plain torch CPU tensors: as in rotary_embedding.
-        views = torch_host.plain_views((q, k, cos_cache, sin_cache, position_ids, out_q, out_k))
+        views = torch_host.plain_views((q, k, cos_cache, sin_cache, position_ids, out_q, out_k), 2)
         if views is not None:
             results = rotary_embedding_qk(
                 views[0], views[1], views[2], views[3], views[4], interleaved=interleaved,

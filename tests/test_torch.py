@@ -325,6 +325,40 @@ def test_torch_and_numpy_mixed_on_the_host(rng):
     np.testing.assert_array_equal(q.numpy(), k)
 
 
+def test_inference_tensors_are_written_only_in_inference_mode(rng):
+    """An ``out`` made under torch.inference_mode() is refused outside it, untouched (in
+    place too, and q's and k's), as torch refuses to update one in place; inside it, it
+    gets the contract's bits."""
+    x, cos, sin = case(rng, np.float32)
+    tc, ts = tensor(cos), tensor(sin)
+    expected = reference.rotary_embedding(x, cos, sin, position_offset=1, precision="contract")
+    with torch.inference_mode():
+        out, q, k = torch.zeros(x.shape), torch.from_numpy(x.copy()), torch.from_numpy(x.copy())
+    calls = {
+        "out": lambda: numba_rope.rotary_embedding(torch.from_numpy(x), tc, ts, out=out,
+                                                   position_offset=1),
+        "in place": lambda: numba_rope.rotary_embedding(q, tc, ts, out=q, position_offset=1),
+        "q and k": lambda: numba_rope.rotary_embedding_qk(q, k, tc, ts, out_q=q, out_k=k,
+                                                          position_offset=1),
+    }  # fmt: skip
+    for name, call in calls.items():
+        for _ in range(cpu_backend.FAST_AFTER + 2):  # compiled plans too
+            with pytest.raises(RuntimeError, match=r"inference tensor.*torch.inference_mode"):
+                call()
+        assert not out.any() and torch.equal(q, k), name
+        np.testing.assert_array_equal(q.numpy(), x)
+    with torch.inference_mode():
+        for call in calls.values():
+            call()
+    # out and k rotated once; q twice (in place, then with k)
+    np.testing.assert_array_equal(out.numpy(), expected)
+    np.testing.assert_array_equal(k.numpy(), expected)
+    np.testing.assert_array_equal(
+        q.numpy(), reference.rotary_embedding(expected, cos, sin, position_offset=1,
+                                              precision="contract")
+    )  # fmt: skip
+
+
 def test_negative_and_conjugate_views(rng):
     """A negative view as input is read as the values it means; as out it is refused
     before anything is written."""

@@ -40,7 +40,7 @@ from numba_rope._autograd import (
 )
 
 #: Output arguments, by name (written through their views).
-_OUTPUT_NAMES = ("out", "out_q", "out_k")
+OUTPUT_NAMES = ("out", "out_q", "out_k")
 
 
 def host_view(tensor: Any, argument: str) -> np.ndarray:
@@ -51,7 +51,7 @@ def host_view(tensor: Any, argument: str) -> np.ndarray:
     (the view must hold the values the tensor means)."""
     import torch
 
-    output = argument in _OUTPUT_NAMES
+    output = argument in OUTPUT_NAMES
     if tensor.is_nested:
         raise TypeError(
             f"{argument} is a nested torch tensor; rotary_embedding takes strided (dense) "
@@ -65,6 +65,8 @@ def host_view(tensor: Any, argument: str) -> np.ndarray:
         )
     tensor = unwrapped_if_dead(tensor)  # (a torch.func.vjp function's saved tensors)
     check_unrecorded(tensor, argument, forward_ad_active())
+    if output:
+        check_written(tensor, argument)
     if tensor.is_neg() or tensor.is_conj():
         bit = "negative" if tensor.is_neg() else "conjugate"
         if output:
@@ -87,7 +89,23 @@ def host_view(tensor: Any, argument: str) -> np.ndarray:
         ) from None
 
 
-def plain_views(arrays: tuple) -> list | None:
+def check_written(tensor: Any, argument: str) -> None:
+    """Refuse (``RuntimeError``) to write ``tensor``, the output ``argument``, where
+    torch would refuse to update it in place: an inference tensor outside inference
+    mode."""
+    if tensor.is_inference():
+        import torch
+
+        if not torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                f"{argument} is an inference tensor (made under torch.inference_mode()), "
+                f"which torch does not let be written in place outside inference mode; "
+                f"call under torch.inference_mode(), or write into a normal tensor (e.g. "
+                f"{argument}.clone())"
+            )
+
+
+def plain_views(arrays: tuple, outputs: int) -> list | None:
     """NumPy views of ``arrays`` (tensors, NumPy arrays, None) when each tensor among
     them is a plain one: a ``torch.Tensor`` itself (no subclass) on the CPU, strided,
     recording no autograd (no forward-mode tangent either), without torch's negative or
@@ -103,10 +121,16 @@ def plain_views(arrays: tuple) -> list | None:
     negative and conjugate bits itself (as ``Tensor.view`` to ``int16`` does for
     bfloat16, :func:`~numba_rope._autograd.numpy_view`), so they are not tested first
     (0.2 us a tensor); a tensor that requires grad is, since ``Tensor.numpy()`` takes
-    it under ``torch.no_grad()``."""
+    it under ``torch.no_grad()``. The last ``outputs`` of ``arrays`` are written: an
+    inference tensor among them, outside inference mode, is for :func:`host_view` to
+    refuse, as torch refuses to write one in place."""
     import torch
 
     tensor_type, bfloat16 = torch.Tensor, torch.bfloat16
+    for array in arrays[len(arrays) - outputs :]:
+        if type(array) is tensor_type and array.is_inference():
+            if not torch.is_inference_mode_enabled():
+                return None
     forward_mode = forward_ad_active()
     views: list = []
     seen: dict[int, np.ndarray] = {}
