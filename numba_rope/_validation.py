@@ -173,7 +173,8 @@ def kernel_offset(offset: int, seq_len: int, n_positions: int, checked: bool = T
     """One offset for the whole batch as the kernels take it (an int64): checked to put
     every position of the sequence in ``[0, n_positions)`` unless ``checked`` is False
     (the GPU's unchecked mode: out-of-range rows come out NaN), and in int64 whatever
-    it is. With ``seq_len == 0`` there is no position: any integer is accepted."""
+    it is. With ``seq_len == 0`` there is no position: any integer is accepted (the
+    backends pass 0 for an empty batch too)."""
     if not seq_len:
         return 0
     in_range = 0 <= offset <= n_positions - seq_len

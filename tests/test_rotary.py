@@ -319,3 +319,29 @@ def test_empty_dimensions(device, shape):
     assert got.shape == shape and got.dtype == np.float32 and type(got) is type(on(x))
     no_ids = np.zeros((batch, seq_len, head // 2), np.float32)
     assert numba_rope.rotary_embedding(on(x), on(no_ids), on(no_ids)).shape == shape
+
+
+@pytest.mark.parametrize("offset", [0, 1, -5, 1 << 70])
+@pytest.mark.parametrize("rows", [0, 2])
+def test_an_empty_batch_reads_no_position(device, rows, offset):
+    """A batch of no sequences uses no position: any offset is accepted, as for an
+    empty sequence, with caches of any number of rows (the reference gives an empty
+    result: its positions index nothing). It was refused with an IndexError when the
+    offset's positions left the caches."""
+    on, off = device
+    x = np.zeros((0, 2, 3, 8), np.float32)
+    cache = np.zeros((rows, 4), np.float32)
+    if abs(offset) < 1 << 62:
+        want = reference.rotary_embedding(x, cache, cache, position_offset=offset)
+        assert want.shape == (0, 2, 3, 8)
+    got = numba_rope.rotary_embedding(on(x), on(cache), on(cache), position_offset=offset)
+    assert off(got).shape == (0, 2, 3, 8)
+    q, k = numba_rope.rotary_embedding_qk(
+        on(x), on(x[:, :1]), on(cache), on(cache), position_offset=offset
+    )
+    assert off(q).shape == (0, 2, 3, 8) and off(k).shape == (0, 1, 3, 8)
+    # a sequence that is there still has its positions checked
+    with pytest.raises(IndexError, match="position_offset"):
+        numba_rope.rotary_embedding(
+            on(np.zeros((1, 2, 3, 8), np.float32)), on(cache), on(cache), position_offset=7
+        )

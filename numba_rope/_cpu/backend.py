@@ -193,7 +193,9 @@ def _kernel_positions(call: Call, position_ids: Any, position_offset: Any) -> An
             _raise_position_error(bad, call, position_ids, None)
         return position_ids.astype(np.int64)
     if kind == "offset":
-        return np.int64(kernel_offset(int(position_offset), call.seq_len, call.n_positions))
+        # An empty batch has no position to check, as an empty sequence has none.
+        positions = call.seq_len if call.batch else 0
+        return np.int64(kernel_offset(int(position_offset), positions, call.n_positions))
     if kind == "offsets":
         offsets = np.asarray(position_offset)
         if offsets.dtype == np.uint64 and offsets.size and offsets.max() > INT64_MAX:

@@ -753,7 +753,8 @@ def _preflight(x, cos, sin, positions, out, check_overlap):
     if check_overlap:
         if _overlaps_own_output(x, cos, sin, positions, out):
             return OVERLAP
-    bad = _check_positions(positions, cos.shape[0], x.shape[2])
+    # An empty batch has no position to check, as an empty sequence has none.
+    bad = _check_positions(positions, cos.shape[0], x.shape[2] if x.shape[0] else 0)
     return DONE if bad < 0 else bad
 
 

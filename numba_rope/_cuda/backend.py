@@ -317,7 +317,8 @@ class CudaBackend:
             offset = position_offset  # an int, or a 0-d array (CuPy, torch: int() reads it)
             if hasattr(offset, "copy_to_host"):  # a 0-d Numba device array has no int()
                 offset = offset.copy_to_host()
-            return kernel_offset(int(offset), seq_len, n_positions, check)
+            # An empty batch has no position to check, as an empty sequence has none.
+            return kernel_offset(int(offset), seq_len if call.batch else 0, n_positions, check)
         if call.positions == "offsets":
             view = self.view(position_offset)
             if check and seq_len:
