@@ -156,6 +156,22 @@ def test_cached_code_is_stale_when_any_module_of_the_package_changes(tmp_path):
 
 # -- fork ----------------------------------------------------------------------------------
 
+#: Run before the fork scripts below: the exit code of the forked child ``pid``, which is
+#: killed after ``timeout`` seconds, the script then ending with the message ``hung``.
+CHILD_EXIT_CODE = """
+import os, signal, sys, time
+def child_exit_code(pid, timeout, hung):
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            sys.exit(hung)
+        time.sleep(0.05)
+"""
+
 FORK_SCRIPT = """
 import multiprocessing, os, signal, sys, time, traceback
 import numba, numpy as np
@@ -208,16 +224,7 @@ if pid == 0:
         traceback.print_exc()
     finally:
         os._exit(code)
-deadline = time.monotonic() + TIMEOUT
-while True:
-    done, status = os.waitpid(pid, os.WNOHANG)
-    if done:
-        break
-    if time.monotonic() > deadline:
-        os.kill(pid, signal.SIGKILL)
-        sys.exit("the os.fork child hung")
-    time.sleep(0.05)
-code = os.waitstatus_to_exitcode(status)
+code = child_exit_code(pid, TIMEOUT, "the os.fork child hung")
 assert code == 0, f"the os.fork child ended with {code}"
 
 with multiprocessing.get_context("fork").Pool(2) as pool:
@@ -236,14 +243,14 @@ def test_calls_in_forked_children_give_the_parents_bits(layer):
     threading layer on Linux) the child used to be killed on its first parallel call
     and the pool hung."""
     env = _env(ROOT, NUMBA_NUM_THREADS="2", NUMBA_THREADING_LAYER=layer)
-    result = _run(FORK_SCRIPT, env, ROOT)
+    result = _run(CHILD_EXIT_CODE + FORK_SCRIPT, env, ROOT)
     assert "ok" in result.stdout
     if layer is not None:
         assert f"layer {layer}" in result.stdout
 
 
 COMPILING_AT_FORK_SCRIPT = """
-import os, signal, sys, threading, time
+import threading
 import numpy as np
 import numba_rope
 from numba.core.compiler_lock import global_compiler_lock
@@ -276,16 +283,8 @@ if pid == 0:
     os._exit(0 if np.array_equal(got, want) else 3)
 returned = time.monotonic()
 compiler.join()
-deadline = time.monotonic() + 240
-while True:
-    done, status = os.waitpid(pid, os.WNOHANG)
-    if done:
-        break
-    if time.monotonic() > deadline:
-        os.kill(pid, signal.SIGKILL)
-        sys.exit("the child hung: it inherited numba's compiler lock held")
-    time.sleep(0.05)
-assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+code = child_exit_code(pid, 240, "the child hung: it inherited numba's compiler lock held")
+assert code == 0, f"the child ended with {code}"
 assert returned >= released[0], "the fork did not wait for the compilation"
 assert global_compiler_lock._lock.acquire(blocking=False)  # the parent's is free again
 print("ok", flush=True)
@@ -297,7 +296,9 @@ def test_a_fork_while_another_thread_compiles_waits_for_it_and_the_child_compile
     """A fork waits for a compilation under way on another thread; the child then
     compiles (or loads) a new signature. Before, the child inherited numba's compiler
     lock held by a thread it does not have, and its first such call hung."""
-    result = _run(COMPILING_AT_FORK_SCRIPT, _env(ROOT, NUMBA_NUM_THREADS="2"), ROOT)
+    result = _run(
+        CHILD_EXIT_CODE + COMPILING_AT_FORK_SCRIPT, _env(ROOT, NUMBA_NUM_THREADS="2"), ROOT
+    )
     assert "ok" in result.stdout
 
 
