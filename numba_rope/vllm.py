@@ -40,7 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from numba_rope._interop import add_leading_axis
+from numba_rope._autograd import check_unrecorded, forward_ad_active
+from numba_rope._interop import add_leading_axis, is_torch
 from numba_rope._validation import check_positive_int
 from numba_rope.cache import rope_cache
 from numba_rope.rotary import rotary_embedding as _operator
@@ -364,6 +365,9 @@ def _rotate(
     inplace: bool,
 ) -> tuple[Any, Any]:
     head_size = check_positive_int(head_size, "head_size")
+    for name, tensor in (("query", query), ("key", key)):
+        if is_torch(tensor):  # named as vLLM names them (the operator says "input")
+            check_unrecorded(tensor, name, forward_ad_active())
     if not isinstance(is_neox, (bool, np.bool_)):
         raise TypeError(
             f"is_neox must be a bool (True: halves, GPT-NeoX; False: pairs, GPT-J), got {is_neox!r}"

@@ -60,6 +60,23 @@ def test_vllm_forward_native_returns_new_tensors(rng):
     assert_bitwise_equal(values(q_in), query)  # inputs untouched
 
 
+@pytest.mark.parametrize("which", ["query", "key"])
+def test_vllm_forms_name_the_tensor_that_requires_grad(rng, which):
+    """query or key requiring grad: refused by vLLM's name for it (the operator's
+    message said "input"), before anything is written, in both forms."""
+    query = torch.from_numpy(rng.standard_normal((5, 2 * 8)).astype(np.float32))
+    key = torch.from_numpy(rng.standard_normal((5, 8)).astype(np.float32))
+    (query if which == "query" else key).requires_grad_()
+    cache = tensor(vllm.make_cos_sin_cache(16, 8, dtype=np.float32))
+    positions = torch.arange(5)
+    before = (query.detach().clone(), key.detach().clone())
+    with pytest.raises(TypeError, match=f"^{which} requires grad"):
+        vllm.forward_native(positions, query, key, 8, cache, True)
+    with pytest.raises(TypeError, match=f"^{which} requires grad"):
+        vllm.rotary_embedding(positions, query, key, 8, cache, True)
+    assert torch.equal(query, before[0]) and torch.equal(key, before[1])
+
+
 @pytest.mark.parametrize("inplace", [False, True], ids=["new", "inplace"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 def test_flash_attn_varlen_with_torch_tensors(rng, interleaved, inplace):
