@@ -365,9 +365,6 @@ def _rotate(
     inplace: bool,
 ) -> tuple[Any, Any]:
     head_size = check_positive_int(head_size, "head_size")
-    for name, tensor in (("query", query), ("key", key)):
-        if is_torch(tensor):  # named as vLLM names them (the operator says "input")
-            check_unrecorded(tensor, name, forward_ad_active())
     if not isinstance(is_neox, (bool, np.bool_)):
         raise TypeError(
             f"is_neox must be a bool (True: halves, GPT-NeoX; False: pairs, GPT-J), got {is_neox!r}"
@@ -413,6 +410,13 @@ def _rotate(
             out_k=k if inplace else None,
             **options,
         )
+    except TypeError:
+        # A tensor autograd follows (the operator has written nothing): named as vLLM
+        # names it, not as the operator does ("input"); checked only on this path.
+        for name, tensor in (("query", query), ("key", key)):
+            if is_torch(tensor):
+                check_unrecorded(tensor, name, forward_ad_active())
+        raise
     except IndexError:
         # A position outside the cache (the operator has written nothing): named as the
         # caller indexes ``positions`` (on the GPU the operator's message, ids[0, t]).
