@@ -25,7 +25,7 @@ from dataclasses import dataclass  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from numba.core import typed_passes, untyped_passes  # noqa: E402
+from numba.core import compiler, typed_passes, untyped_passes  # noqa: E402
 from numba.core.typing import templates  # noqa: E402
 from oracles import (  # noqa: E402
     BFLOAT16,
@@ -46,8 +46,10 @@ from oracles import (  # noqa: E402
 # (three cold kernels: 3.7 -> 5.2 s of 7.7 s). This package's Python that runs while
 # numba compiles (the @overload functions and the @intrinsic typing functions, called
 # from type inference; the intrinsics' code generators, called in lowering) must still
-# be seen by coverage. So these three run untraced, and the calls into this package's
-# typing and code generation run traced again. Each switch happens in one wrapper
+# be seen by coverage. So numba's pipeline of passes runs untraced (with those three,
+# its other passes and code generation: with only the three paused, a cold compile took
+# 1.15-1.17x as long traced as not), and the calls into this package's typing and code
+# generation run traced again. Each switch happens in one wrapper
 # frame: a frame that the tracer saw begin ends with the tracer on, one that it did
 # not see begin ends with the tracer off, so that coverage's stack of frames stays in
 # step (switching in numba's event callbacks instead lost lines of the report).
@@ -139,6 +141,7 @@ def _template_using(attribute: str, wrap: Callable) -> Callable[[Callable], Call
 #: (owner, method, wrapper): numba's internals (numba 0.68, checked). Lowering is also
 #: called from type inference (a function's callees are compiled while it is typed).
 _SWITCHES = (
+    (getattr(compiler, "CompilerBase", None), "_compile_core", _untraced),
     (getattr(typed_passes, "NopythonTypeInference", None), "run_pass", _untraced),
     (getattr(untyped_passes, "InlineInlinables", None), "run_pass", _untraced),
     (getattr(typed_passes, "BaseNativeLowering", None), "run_pass", _untraced),

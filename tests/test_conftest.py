@@ -5,7 +5,7 @@ import pathlib
 import sys
 
 from numba import njit
-from numba.core import typed_passes, untyped_passes
+from numba.core import compiler, typed_passes, untyped_passes
 from numba.core.extending import intrinsic, overload
 
 import conftest
@@ -14,6 +14,7 @@ HERE = os.path.basename(__file__)
 TYPE_INFERENCE = ("typeinfer.py", "propagate")
 INLINING = ("untyped_passes.py", "_do_work")  # InlineInlinables' work
 LOWERING = ("lowering.py", "lower_inst")
+PASSES = ("compiler_machinery.py", "_runPass")  # each pass of the pipeline, run
 
 
 def _compile_traced() -> tuple[set, set]:
@@ -64,22 +65,24 @@ def _compile_traced() -> tuple[set, set]:
 
 
 def test_numba_compiles_untraced_but_for_this_packages_python():
-    # conftest pauses the trace function (coverage's) in numba's type inference, its
-    # pass inline_inlinables and its lowering, and traces the @overload and @intrinsic
-    # functions that type inference calls and the intrinsics' code generators that
-    # lowering calls, also when a callee is compiled inside type inference.
-    # Afterwards the trace function is the same one, called again.
+    # conftest pauses the trace function (coverage's) in numba's pipeline of passes
+    # (type inference, the pass inline_inlinables and lowering among them), and traces
+    # the @overload and @intrinsic functions that type inference calls and the
+    # intrinsics' code generators that lowering calls, also when a callee is compiled
+    # inside type inference. Afterwards the trace function is the same one, called again.
     assert conftest.COMPILING_UNTRACED, "numba's internals moved: update conftest._SWITCHES"
     during, after = _compile_traced()
     assert {(HERE, "twice_overload"), (HERE, "same"), (HERE, "codegen")} <= during
     assert TYPE_INFERENCE not in during and INLINING not in during
-    assert LOWERING not in during
+    assert LOWERING not in during and PASSES not in during
     assert (HERE, "plus_one") in after
 
 
 def test_without_the_pauses_numba_is_traced(monkeypatch):
-    # The control: with the three passes unwrapped, the functions that the test above
-    # finds missing are traced, so their absence there is the pauses' doing.
+    # The control: with the pipeline and the three passes unwrapped, the functions that
+    # the test above finds missing are traced, so their absence there is the pauses' doing.
+    core = compiler.CompilerBase._compile_core
+    monkeypatch.setattr(compiler.CompilerBase, "_compile_core", core.__wrapped__)
     for owner in (
         typed_passes.NopythonTypeInference,
         untyped_passes.InlineInlinables,
@@ -88,6 +91,7 @@ def test_without_the_pauses_numba_is_traced(monkeypatch):
         monkeypatch.setattr(owner, "run_pass", owner.run_pass.__wrapped__)
     during, _ = _compile_traced()
     assert TYPE_INFERENCE in during and INLINING in during and LOWERING in during
+    assert PASSES in during
 
 
 def test_the_long_tests_are_collected_first_and_shuffle_shuffles():
