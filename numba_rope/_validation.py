@@ -524,7 +524,10 @@ def check_call(*arguments: Any) -> Call:
     try:
         return _check_call_remembered(*arguments)
     except TypeError:
-        return _check_call(*arguments)
+        pass  # unhashable (or refused): checked again below, outside this clause
+    # Outside the ``except`` clause, so that the plain check's error does not carry
+    # "unhashable type" as its context (a traceback would print both).
+    return _check_call(*arguments)
 
 
 def check_one_gpu(ordinals: dict[int, str]) -> None:

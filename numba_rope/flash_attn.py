@@ -213,8 +213,10 @@ def apply_rotary(
                 **options,
             )  # fmt: skip
         except (TypeError, ValueError, IndexError):
-            _checked_offsets(seqlen_offsets, batch, np.full(batch, seqlen), _rows(cos))
-            raise
+            named = _offsets_error(seqlen_offsets, batch, seqlen, _rows(cos))
+            if named is None:
+                raise
+            raise named from None
         return x if inplace else result
     offset = _checked_offsets(seqlen_offsets, batch, np.full(batch, seqlen), _rows(cos))
     result = _rotate(
@@ -338,8 +340,10 @@ def apply_rotary_emb_qkv_(
                 position_offset=seqlen_offsets, interleaved=interleaved, layout="bshd",
             )  # fmt: skip
         except (TypeError, ValueError, IndexError):
-            _checked_offsets(seqlen_offsets, batch, np.full(batch, seqlen), _rows(cos))
-            raise
+            named = _offsets_error(seqlen_offsets, batch, seqlen, _rows(cos))
+            if named is None:
+                raise
+            raise named from None
         return qkv
     offset = _checked_offsets(
         seqlen_offsets, batch, np.full(batch, seqlen), min(_rows(cos), _rows(cos_k))
@@ -492,6 +496,19 @@ def _checked_offsets(seqlen_offsets: Any, batch: int, lengths: np.ndarray, rows:
                 f"build longer caches (numba_rope.rope_cache(max_position, rotary_dim))"
             )
     return given
+
+
+def _offsets_error(seqlen_offsets: Any, batch: int, seqlen: int, rows: int) -> Exception | None:
+    """The error :func:`_checked_offsets` raises for a batch of ``seqlen`` tokens (the
+    operator's error for the same fault, named as flash-attn names it), or None.
+    Returned, not raised: the caller raises it ``from None``, as raised inside its
+    ``except`` clause it would carry the operator's error as its context, which a
+    traceback prints first, as a second error."""
+    try:
+        _checked_offsets(seqlen_offsets, batch, np.full(batch, seqlen), rows)
+    except (TypeError, ValueError, IndexError) as error:
+        return error
+    return None
 
 
 def _checked_cu_seqlens(cu_seqlens: Any, total: int, max_seqlen: Any) -> np.ndarray:

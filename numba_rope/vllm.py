@@ -355,6 +355,33 @@ def _check_positions(positions: np.ndarray, rows: int) -> None:
         )
 
 
+def _grad_error_named(query: Any, key: Any) -> TypeError | None:
+    """The error :func:`check_unrecorded` raises for query or key, named as vLLM names
+    them, or None. Returned, not raised: the caller raises it ``from None`` (raised in
+    its ``except`` clause, it would carry the operator's error for the same fault as its
+    context, which a traceback prints as a second error, "During handling of the above
+    exception, another exception occurred")."""
+    forward_mode = forward_ad_active()
+    for name, tensor in (("query", query), ("key", key)):
+        if is_torch(tensor):
+            try:
+                check_unrecorded(tensor, name, forward_mode)
+            except TypeError as error:
+                return error
+    return None
+
+
+def _position_error_named(positions: Any, rows: int) -> IndexError | None:
+    """:func:`_check_positions`' error for NumPy ``positions``, or None (see
+    :func:`_grad_error_named`)."""
+    if isinstance(positions, np.ndarray):
+        try:
+            _check_positions(positions, rows)
+        except IndexError as error:
+            return error
+    return None
+
+
 def _rotate(
     positions: Any,
     query: Any,
@@ -413,16 +440,17 @@ def _rotate(
     except TypeError:
         # A tensor autograd follows (the operator has written nothing): named as vLLM
         # names it, not as the operator does ("input"); checked only on this path.
-        for name, tensor in (("query", query), ("key", key)):
-            if is_torch(tensor):
-                check_unrecorded(tensor, name, forward_ad_active())
-        raise
+        named = _grad_error_named(query, key)
+        if named is None:
+            raise
+        raise named from None
     except IndexError:
         # A position outside the cache (the operator has written nothing): named as the
         # caller indexes ``positions`` (on the GPU the operator's message, ids[0, t]).
-        if isinstance(caller_positions, np.ndarray):
-            _check_positions(caller_positions, int(cos_sin_cache.shape[0]))
-        raise
+        named_position = _position_error_named(caller_positions, int(cos_sin_cache.shape[0]))
+        if named_position is None:
+            raise
+        raise named_position from None
     if inplace:
         return query, key
     if lead == 1:

@@ -104,6 +104,33 @@ def test_interleaved_of_wrong_type(device):
         call(device, good(), interleaved=1)
 
 
+UNHASHABLE_OPTIONS = {
+    "interleaved": ([1], TypeError, r"interleaved must be True or False, got \[1\]"),
+    "inverse": ({}, TypeError, r"inverse must be True or False, got \{\}"),
+    "layout": (["bshd"], ValueError, r"layout must be one of .*got \['bshd'\]"),
+    "num_heads": ([3], TypeError, r"num_heads must be a positive integer, got \[3\]"),
+}
+
+
+@pytest.mark.parametrize("option", UNHASHABLE_OPTIONS)
+def test_options_that_cannot_be_hashed_raise_one_error(device, option):
+    """An option that cannot be hashed (the checks' verdicts are remembered by the
+    arguments) is refused by the plain check's message alone: not raised while the
+    "unhashable type" error is handled, which a traceback prints first, as a second
+    error."""
+    value, kind, message = UNHASHABLE_OPTIONS[option]
+    with pytest.raises(kind, match=message) as raised:
+        call(device, good(), **{option: value})
+    assert raised.value.__context__ is None or raised.value.__suppress_context__
+    moved = {name: device.on(value) for name, value in good().items()}
+    with pytest.raises(kind, match=message) as raised:
+        numba_rope.rotary_embedding_qk(
+            moved["input"], moved["input"], moved["cos_cache"], moved["sin_cache"],
+            moved["position_ids"], **{option: value},
+        )  # fmt: skip
+    assert raised.value.__context__ is None or raised.value.__suppress_context__
+
+
 VALUE_ERRORS = {
     "3-D input without num_heads": (
         replace(good(), input=np.ones((B, S, D), np.float32)),

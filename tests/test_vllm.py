@@ -331,10 +331,12 @@ def test_out_of_range_positions_on_the_gpu_raise_too(gpu):
 def test_2d_positions_out_of_range_name_their_place():
     positions = np.zeros((2, 3), np.int64)
     positions[1, 2] = 99
-    with pytest.raises(IndexError, match=r"positions\[1, 2\] = 99"):
+    with pytest.raises(IndexError, match=r"positions\[1, 2\] = 99") as raised:
         vllm.forward_native(
             positions, np.ones((2, 3, 8), np.float32), None, 8, make_cache(16, 8, np.float32), True
         )
+    # Raised from None: not printed after the operator's error for the same position.
+    assert raised.value.__suppress_context__ and raised.value.__cause__ is None
 
 
 def test_module_refuses_a_rotary_dim_beyond_the_head():
@@ -400,10 +402,11 @@ def test_forward_native_takes_positions_in_the_other_form(
 def test_positions_in_the_other_form_out_of_range_name_the_callers_place():
     positions = np.zeros(6, np.int64)
     positions[4] = 99
-    with pytest.raises(IndexError, match=r"positions\[4\] = 99"):
+    with pytest.raises(IndexError, match=r"positions\[4\] = 99") as raised:
         vllm.forward_native(
             positions, np.ones((2, 3, 8), np.float32), None, 8, make_cache(16, 8, np.float32), True
         )
+    assert raised.value.__suppress_context__ and raised.value.__cause__ is None
 
 
 def test_query_and_key_in_different_token_forms_are_refused_by_name():
