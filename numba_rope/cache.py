@@ -145,7 +145,7 @@ def _check_scaling(scaling: Any) -> tuple[str, dict[str, Any]]:
     legacy_type = parameters.pop("type", None)  # transformers' former name of the key
     if rope_type is None:
         rope_type = legacy_type
-    elif legacy_type is not None and legacy_type != rope_type:
+    elif legacy_type is not None and not _same_type(rope_type, legacy_type):
         raise ValueError(
             f"scaling gives two different types, rope_type={rope_type!r} and "
             f"type={legacy_type!r}; keep one"
@@ -158,6 +158,7 @@ def _check_scaling(scaling: Any) -> tuple[str, dict[str, Any]]:
     if not isinstance(rope_type, str) or rope_type not in ROPE_TYPES:
         raise ValueError(
             f"unknown rope_type {rope_type!r}; accepted: {', '.join(map(repr, ROPE_TYPES))}"
+            f"{_former_name_hint(rope_type)}"
         )
 
     required, optional = SCALING_KEYS[rope_type]
@@ -179,7 +180,34 @@ def _check_scaling(scaling: Any) -> tuple[str, dict[str, Any]]:
             f"scaling for rope_type {rope_type!r} is missing {', '.join(map(repr, missing))}; "
             f"it needs {_accepted_keys(rope_type)}"
         )
-    return rope_type, {key: value for key, value in parameters.items() if value is not None}
+    given = {key: value for key, value in parameters.items() if value is not None}
+    if "truncate" in parameters and parameters["truncate"] is None:
+        # transformers reads it as `rope_parameters.get("truncate", True)`, then `if
+        # truncate:`: None, unlike an absent key, means no truncation.
+        given["truncate"] = False
+    return rope_type, given
+
+
+#: Phi-3's former names of ``"longrope"``: transformers' ``Phi3Config`` (and
+#: ``Phi4MultimodalConfig``) turns a ``rope_type`` or ``type`` of ``"su"`` or ``"yarn"``
+#: into ``"longrope"``, keeping the former name under ``type``.
+_PHI3_FORMER_NAMES = ("su", "yarn")
+_PHI3_MODEL_TYPES = ("phi3", "phi4_multimodal")
+
+
+def _same_type(rope_type: Any, legacy_type: Any) -> bool:
+    """Whether ``rope_type`` and the former key ``type`` name one type: the same name,
+    or ``"longrope"`` beside a Phi-3 former name of it (as a ``Phi3Config`` leaves
+    them)."""
+    return legacy_type == rope_type or (
+        rope_type == "longrope" and legacy_type in _PHI3_FORMER_NAMES
+    )
+
+
+def _former_name_hint(rope_type: Any) -> str:
+    if rope_type == "su":
+        return " ('su' is Phi-3's former name of 'longrope', as Phi3Config reads it)"
+    return ""
 
 
 # ------------------------------------------------------------------ inverse frequencies
@@ -433,6 +461,13 @@ TRANSFORMERS_KEYS = (
     "mrope_section",
 )
 
+#: The keys of :data:`TRANSFORMERS_KEYS` that only a scaled type uses.
+_SCALING_ONLY = tuple(
+    key
+    for key in TRANSFORMERS_KEYS
+    if key not in ("rope_theta", "partial_rotary_factor", "original_max_position_embeddings")
+)
+
 # The fields of a config that rope_cache reads; a config with none of them is refused.
 _CONFIG_FIELDS = (
     "rope_parameters",
@@ -485,16 +520,29 @@ def _read_rope_parameters(config: Any, rope_parameters: Any) -> tuple[str, str, 
     rope_type = parameters.pop("rope_type", None)
     legacy_type = parameters.pop("type", None)
     if rope_type is None:
+        scaled = [key for key in _SCALING_ONLY if parameters.get(key) is not None]
+        if scaled and legacy_type is None:
+            # transformers would take "default" for an absent type (and ignore these
+            # keys) and fail on a None one (KeyError): neither builds what they say.
+            raise ValueError(
+                f"{where} names no rope type (rope_type or type) but gives "
+                f"{', '.join(f'{key}={parameters[key]!r}' for key in scaled)}, which only "
+                f"a scaled type uses; name it, e.g. rope_type='linear' (supported: "
+                f"{', '.join(map(repr, ROPE_TYPES))}), or leave those keys out"
+            )
         rope_type = "default" if legacy_type is None else legacy_type
-    elif legacy_type is not None and legacy_type != rope_type:
+    elif legacy_type is not None and not _same_type(rope_type, legacy_type):
         raise ValueError(
             f"{where} gives two different types, rope_type={rope_type!r} and "
             f"type={legacy_type!r}; keep one"
         )
+    model_type = _config_field(config, "model_type")
+    if rope_type in _PHI3_FORMER_NAMES and model_type in _PHI3_MODEL_TYPES:
+        rope_type = "longrope"  # as Phi3Config makes it (a config.json of Phi-3)
     if not isinstance(rope_type, str) or rope_type not in ROPE_TYPES:
         raise ValueError(
             f"{where} has rope_type {rope_type!r}, which rope_cache does not build; "
-            f"supported: {', '.join(map(repr, ROPE_TYPES))}"
+            f"supported: {', '.join(map(repr, ROPE_TYPES))}{_former_name_hint(rope_type)}"
         )
     unknown = [key for key in parameters if key not in TRANSFORMERS_KEYS]
     if unknown:
@@ -728,9 +776,12 @@ def rope_cache(
     scaling : dict or None, default None
         numba_rope's form: None for plain RoPE, or a transformers ``rope_scaling`` dict
         without ``rope_theta`` and with every parameter given: ``rope_type`` (``"type"``
-        is accepted as its former name) and the parameters below. Unknown types, unknown
-        keys and missing parameters raise ``ValueError``; an optional key set to None
-        counts as absent.
+        is accepted as its former name; given both, they must name one type, or
+        ``"longrope"`` beside Phi-3's former names of it, ``"su"`` and ``"yarn"``, as
+        transformers' ``Phi3Config`` leaves them) and the parameters below. Unknown
+        types, unknown keys and missing parameters raise ``ValueError``; an optional key
+        set to None counts as absent, but for yarn's ``truncate``: None means no
+        truncation, as in transformers (``if truncate:``).
     dtype : dtype, default numpy.float32
         float32, float16, bfloat16 (``ml_dtypes.bfloat16``) or float64.
     seq_len : int, optional
@@ -744,7 +795,9 @@ def rope_cache(
         ``partial_rotary_factor``, ``head_dim`` (else ``hidden_size //
         num_attention_heads``), ``max_position_embeddings`` and
         ``original_max_position_embeddings`` (Phi-3 keeps it outside the dict; it then
-        wins, as in transformers). transformers is not imported. A dict is read as its
+        wins, as in transformers). A Phi-3 config (``model_type`` ``"phi3"`` or
+        ``"phi4_multimodal"``) whose type is ``"su"`` or ``"yarn"`` is LongRoPE, as
+        ``Phi3Config`` reads it. transformers is not imported. A dict is read as its
         keys say: fields a config class derives in Python (DeepSeek-V3's ``head_dim =
         qk_rope_head_dim``) are in ``config.to_dict()`` but not in ``config.json``; pass
         the config object, ``to_dict()``, or ``head_dim=``.
@@ -753,6 +806,9 @@ def rope_cache(
         ``rope_theta``, ``partial_rotary_factor``, ``factor``, ...), instead of the
         config's (e.g. one layer type's dict of a config with several). Keys transformers
         knows but the type does not use are ignored, as there; other keys are refused.
+        A dict that names no type (neither key, or None) is plain RoPE, and is refused
+        where it gives a parameter only a scaled type uses (``factor``, ...):
+        transformers would ignore that parameter, or fail on a None type.
     head_dim : int, optional
         transformers' form: the head size, if not read from ``config``.
     max_position_embeddings : int, optional

@@ -185,6 +185,11 @@ ERRORS = {
         ValueError,
         ["'linear'", "'dynamic'"],
     ),
+    "'su' as a type": (
+        {"scaling": {"rope_type": "su", "factor": 2.0}},
+        ValueError,
+        ["unknown rope_type 'su'", "Phi-3's former name of 'longrope'"],
+    ),
     # missing parameters
     "linear without factor": (
         {"scaling": {"rope_type": "linear"}},

@@ -6,6 +6,7 @@ the arguments translated by hand in the tests, following ``modeling_rope_utils.p
 
 from __future__ import annotations
 
+import copy
 import math
 import types
 
@@ -49,6 +50,8 @@ LONGROPE = {
     "long_factor": LONG,
     "original_max_position_embeddings": 48,
 }
+#: LONGROPE without its type, for the keys that name it otherwise.
+UNNAMED_LONGROPE = {key: value for key, value in LONGROPE.items() if key != "rope_type"}
 L, D = 64, 16
 
 
@@ -269,6 +272,58 @@ TRANSLATIONS = {
             },
         },
     ),
+    "yarn: truncate None in numba_rope's form too (transformers' `if truncate:`)": (
+        {
+            "head_dim": 32,
+            "max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "original_max_position_embeddings": 16,
+                "truncate": None,
+            },
+        },
+        {
+            "max_position": 64,
+            "rotary_dim": 32,
+            "scaling": {
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "original_max_position_embeddings": 16,
+                "truncate": None,
+            },
+        },
+    ),
+    "longrope: a Phi-3 config.json naming it 'su', as Phi3Config reads it": (
+        {
+            "model_type": "phi3",
+            "head_dim": 16,
+            "max_position_embeddings": 192,
+            "rope_scaling": {**UNNAMED_LONGROPE, "type": "su"},
+        },
+        {"max_position": 192, "rotary_dim": 16, "scaling": {**LONGROPE, "factor": 4.0}},
+    ),
+    "longrope: a Phi-4-multimodal config.json naming it 'yarn' as rope_type": (
+        {
+            "model_type": "phi4_multimodal",
+            "head_dim": 16,
+            "max_position_embeddings": 192,
+            "rope_parameters": {**UNNAMED_LONGROPE, "rope_type": "yarn"},
+        },
+        {"max_position": 192, "rotary_dim": 16, "scaling": {**LONGROPE, "factor": 4.0}},
+    ),
+    "longrope beside its former name 'yarn', as Phi3Config leaves them": (
+        {
+            "head_dim": 16,
+            "max_position_embeddings": 192,
+            "rope_parameters": {**LONGROPE, "type": "yarn"},
+        },
+        {
+            "max_position": 192,
+            "rotary_dim": 16,
+            "scaling": {**LONGROPE, "type": "su", "factor": 4.0},
+        },
+    ),
     "longrope: Phi-3's original outside the dict wins, factor from the lengths": (
         {
             "hidden_size": 64,
@@ -424,6 +479,26 @@ ERRORS = {
         {"rope_parameters": {"rope_type": "yarn", "type": "linear", "factor": 2.0}, **HEAD},
         ValueError,
         ["rope_type='yarn'", "type='linear'", "keep one"],
+    ),
+    "'yarn' beside 'linear' is no former name": (
+        {"rope_parameters": {"rope_type": "linear", "type": "yarn", "factor": 2.0}, **HEAD},
+        ValueError,
+        ["rope_type='linear'", "type='yarn'", "keep one"],
+    ),
+    "'su' outside a Phi-3 config": (
+        {"rope_parameters": {**UNNAMED_LONGROPE, "type": "su", "factor": 2.0}, **HEAD},
+        ValueError,
+        ["rope_type 'su'", "Phi-3's former name of 'longrope'"],
+    ),
+    "no type, a scaling parameter": (
+        {"rope_parameters": {"factor": 8.0, "rope_theta": 1e4}, **HEAD},
+        ValueError,
+        ["names no rope type", "factor=8.0", "rope_type='linear'"],
+    ),
+    "a None type, a scaling parameter (transformers: KeyError)": (
+        {"config": {**HEAD, "rope_parameters": {"rope_type": None, "mrope_section": [2, 3, 3]}}},
+        ValueError,
+        ["config.rope_parameters names no rope type", "mrope_section=[2, 3, 3]"],
     ),
     "typo": (
         {"rope_parameters": {"rope_type": "linear", "factr": 2.0}, **HEAD},
@@ -837,6 +912,34 @@ def test_matches_transformers_phi3_longrope(partial_rotary_factor):
         assert np.array_equal(
             ours[0], numba_rope.rope_cache(config=config, dtype=np.float64)[0]
         ) == (length > 64)
+
+
+@pytest.mark.parametrize("former", ["su", "yarn"])
+def test_matches_transformers_phi3_former_names_of_longrope(former):
+    """Phi3Config reads a type "su" or "yarn" (Phi-3's checkpoints before transformers
+    named it) as LongRoPE, and keeps the former name under "type" beside rope_type
+    "longrope": the config object, its to_dict() and the config.json it came from all
+    give transformers' LongRoPE tables, not YaRN's, and are not refused."""
+    hf = transformers_modules()
+    short = [1.0 + i / 8 for i in range(16)]
+    long = [1.0 + i for i in range(16)]
+    fields = {
+        "hidden_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 256,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": former, "short_factor": short, "long_factor": long},
+    }
+    config = hf.Phi3Config(**copy.deepcopy(fields))
+    module = hf.Phi3RotaryEmbedding(config)
+    assert module.rope_type == "longrope"
+    for length in (40, 200):
+        theirs = transformers_cos_sin(module, length, hf.torch)
+        for form in (config, config.to_dict(), {"model_type": "phi3", **fields}):
+            ours = numba_rope.rope_cache(config=form, seq_len=length, dtype=np.float64)
+            assert_close_to_transformers(ours, theirs)
 
 
 def test_matches_transformers_phi3_partial_default():
