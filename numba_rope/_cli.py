@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 import time
@@ -92,7 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     demo_parser = commands.add_parser("demo", help="run the specification's example and check it")
-    demo_parser.add_argument("--repeats", type=int, default=2000, help="timed calls per dtype")
+    demo_parser.add_argument(
+        "--repeats", type=_positive, default=2000, help="timed calls per dtype"
+    )
     add_bench_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -118,10 +121,41 @@ def _names(allowed: Sequence[str]) -> Callable[[str], list[str]]:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    """argparse type: an integer >= 1 (argparse's own message would name this function)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return value
+
+
+def _thread_count(text: str) -> int:
+    """argparse type: 1 to numba's thread count (``NUMBA_NUM_THREADS``)."""
+    import numba
+
+    value, most = _positive(text), numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
+    if value > most:
+        raise argparse.ArgumentTypeError(
+            f"must lie in [1, {most}] (numba's threads on this machine, NUMBA_NUM_THREADS), "
+            f"got {value}"
+        )
+    return value
+
+
+def _output_path(path: str, what: str) -> str | None:
+    """Why ``path`` cannot be written (its folder missing or read-only, a folder
+    itself), or None: checked before the bench runs, so that a bad ``--json`` or
+    ``--plot`` path does not throw away minutes of timing."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{what} {path!r} is a folder: name a file"
+    if not os.path.isdir(folder):
+        return f"{what} {path!r}: its folder {folder!r} does not exist"
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"{what} {path!r} cannot be written here (permission denied)"
+    return None
 
 
 def add_bench_parser(commands) -> None:
@@ -155,7 +189,10 @@ def add_bench_parser(commands) -> None:
         help=f"comma-separated, default {','.join(benchmarks.WORKLOADS)}",
     )
     parser.add_argument(
-        "--threads", type=_positive, default=0, help="numba (and peer) threads; default: numba's"
+        "--threads",
+        type=_thread_count,
+        default=0,
+        help="numba (and peer) threads, at most numba's (NUMBA_NUM_THREADS); default: numba's",
     )
     parser.add_argument(
         "--repeats",
@@ -201,6 +238,19 @@ def bench(args: argparse.Namespace) -> int:
         except ImportError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
+    unwritable = [
+        why
+        for why in (
+            args.json and _output_path(args.json, "--json"),
+            args.plot and _output_path(args.plot, "--plot"),
+            args.plot and benchmarks.unsupported_plot_format(args.plot),
+        )
+        if why
+    ]
+    if unwritable:
+        for why in unwritable:
+            print(f"error: {why}", file=sys.stderr)
+        return 2
     chosen = {"device": args.device, "dtypes": args.dtypes, "workloads": args.workloads}
     chosen["threads"] = args.threads
     chosen["single_calls"] = args.single_calls
@@ -216,19 +266,24 @@ def bench(args: argparse.Namespace) -> int:
         print(f"error: cannot benchmark on {args.device}: {why}", file=sys.stderr)
         return 2
     print(benchmarks.format_table(report))
-    if args.json:
-        benchmarks.write_json(report, args.json)
-        print(f"wrote {args.json}")
-    if args.plot:
-        benchmarks.plot(report, args.plot)
-        print(f"wrote {args.plot}")
     for failure in report.failed:
         print(
             f"FAILED: {failure.implementation} on {failure.workload} {failure.dtype}: "
             f"{failure.reason}",
             file=sys.stderr,
         )
-    return 1 if report.failed else 0
+    written = True
+    for path, write in ((args.json, benchmarks.write_json), (args.plot, benchmarks.plot)):
+        if not path:
+            continue
+        try:
+            write(report, path)
+        except OSError as error:  # checked before the run; the disk may still refuse
+            print(f"error: could not write {path}: {error}", file=sys.stderr)
+            written = False
+        else:
+            print(f"wrote {path}")
+    return 1 if report.failed else 0 if written else 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numba
@@ -544,6 +545,72 @@ def test_bench_plot_without_matplotlib_says_how_to_install(monkeypatch, capsys, 
     assert code == 2
     assert "pip install matplotlib" in capsys.readouterr().err
     assert not (tmp_path / "p.png").exists()
+
+
+def test_bench_refuses_unwritable_outputs_before_it_runs(monkeypatch, capsys, tmp_path):
+    """A --json or --plot path that cannot be written (no such folder, a folder, a
+    suffix matplotlib draws no format for) is refused before any timing: a full bench
+    takes minutes, and its end is too late to say so."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(bench, "run", lambda settings: pytest.fail("the bench ran"))
+    missing = tmp_path / "no such folder" / "b.json"
+    cases = (
+        (["--json", str(missing)], "its folder"),
+        (["--plot", str(tmp_path / "no such folder" / "p.png")], "does not exist"),
+        (["--json", str(tmp_path)], "is a folder"),
+        (["--plot", str(tmp_path / "p.xyz")], "matplotlib draws no 'xyz' files"),
+    )
+    for arguments, words in cases:
+        assert _cli.main(["bench", "--quick", "--workloads", "seed", *arguments]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_reports_its_failures_and_a_write_that_fails_after_the_run(
+    monkeypatch, capsys, tmp_path
+):
+    """The FAILED lines come before the outputs are written, and a write the disk
+    refuses after the run is an error line (exit 2 unless a check failed: 1), not a
+    traceback."""
+    report = bench.Report(settings={"device": "cpu"}, environment={
+        "numba_rope": "x", "numba": "x", "numpy": "x", "numba_threads": 2,
+        "numba_threading_layer": "omp"}, results=[])  # fmt: skip
+
+    def refuse(report, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bench, "run", lambda settings: report)
+    monkeypatch.setattr(bench, "write_json", refuse)
+    path = str(tmp_path / "b.json")
+    assert _cli.main(["bench", "--quick", "--workloads", "seed", "--json", path]) == 2
+    err = capsys.readouterr().err
+    assert f"error: could not write {path}: [Errno 28] No space left on device" in err
+    failure = types.SimpleNamespace(
+        implementation="numba_rope", workload="seed", dtype="float32", reason="wrong bits"
+    )
+    monkeypatch.setattr(bench.Report, "failed", property(lambda self: [failure]))
+    assert _cli.main(["bench", "--quick", "--workloads", "seed", "--json", path]) == 1
+    err = capsys.readouterr().err
+    assert err.index("FAILED: numba_rope on seed float32: wrong bits") < err.index("error:")
+
+
+def test_counts_out_of_range_are_refused_by_name(capsys):
+    """Counts that are not positive integers, and threads beyond numba's, are argparse
+    errors that say the rule and the value (not a numba traceback at the run, nor
+    argparse's message naming a private function)."""
+    threads = numba.config.NUMBA_NUM_THREADS
+    for arguments, words in (
+        (["bench", "--threads", str(threads + 1)], f"must lie in [1, {threads}]"),
+        (["bench", "--repeats", "abc"], "must be a positive integer, got 'abc'"),
+        (["bench", "--rounds", "0"], "must be a positive integer, got '0'"),
+        (["demo", "--repeats", "0"], "must be a positive integer, got '0'"),
+        (["demo", "--repeats", "-1"], "must be a positive integer, got '-1'"),
+    ):
+        with pytest.raises(SystemExit):
+            _cli.main(arguments)
+        err = capsys.readouterr().err
+        assert words in err and "_positive" not in err, err
 
 
 def test_bench_rejects_unknown_names(capsys):

@@ -43,6 +43,7 @@ from numba_rope.bench.report import (
     plot,
     plot_figure,
     require_matplotlib,
+    unsupported_plot_format,
     vector_extensions,
     write_json,
 )
@@ -128,6 +129,7 @@ __all__ = [
     "target",
     "time_calls",
     "torch_rope",
+    "unsupported_plot_format",
     "vector_extensions",
     "workload_table",
     "write_json",

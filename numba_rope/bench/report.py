@@ -476,6 +476,21 @@ def require_matplotlib() -> None:
         ) from None
 
 
+def unsupported_plot_format(path: str) -> str | None:
+    """Why matplotlib cannot draw into ``path`` (a suffix it has no format for), or
+    None; matplotlib must be installed (:func:`require_matplotlib`)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = os.path.splitext(path)[1][1:].lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        return (
+            f"--plot {path!r}: matplotlib draws no {suffix!r} files; name a file ending in "
+            f"one of {', '.join('.' + name for name in sorted(formats))}"
+        )
+    return None
+
+
 def plot_figure(report: Report) -> Any:
     """The bar chart of GB/s per workload and implementation, one panel per dtype, as a
     matplotlib figure (closed by the caller): the title says ``--quick`` when it was
