@@ -105,6 +105,17 @@ def host_integers(array: Any) -> bool:
     return host_tensor(array) and str(array.dtype) in _TORCH_INTEGERS
 
 
+def require_writeable(array: Any, name: str, why: str, instead: str = "") -> None:
+    """``ValueError`` for a read-only NumPy ``array`` that a caller's form rotates in
+    place, in its own words (the operator would name its ``out`` argument, which such a
+    form does not have): ``why`` it is written, and what else to do ``instead``."""
+    if isinstance(array, np.ndarray) and not array.flags.writeable:
+        raise ValueError(
+            f"{name} is a read-only array, and {why}: pass a writeable one (e.g. "
+            f"np.array({name}))" + (f", or {instead}" if instead else "")
+        )
+
+
 def over_batch(cos: Any, sin: Any, batch: int | None) -> tuple[Any, Any]:
     """One-row caches ``[1, seq_len, half]`` broadcast over ``batch`` sequences (views:
     ``expand`` for torch tensors, ``numpy.broadcast_to`` for NumPy arrays), or the

@@ -57,6 +57,7 @@ from numba_rope._interop import (
     host_tensor,
     is_torch,
     like,
+    require_writeable,
     to_host,
 )
 from numba_rope.rotary import rotary_embedding, rotary_embedding_qk
@@ -193,6 +194,8 @@ def apply_rotary(
     >>> bool(np.allclose(back, x))
     True
     """
+    if inplace:
+        require_writeable(x, "x", "inplace=True rotates it in place", "pass inplace=False")
     if cu_seqlens is not None:
         return _varlen(
             x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, interleaved, inplace, conjugate
@@ -310,6 +313,7 @@ def apply_rotary_emb_qkv_(
     >>> bool((qkv[:, :, 5] == 1).all()), bool((qkv[:, 1, :5] != 1).any())  # v untouched
     (True, True)
     """
+    require_writeable(qkv, "qkv", "apply_rotary_emb_qkv_ rotates it in place")
     shape = tuple(qkv.shape)
     if len(shape) == 5:
         if shape[2] != 3:
@@ -382,6 +386,7 @@ def apply_rotary_emb_kv_(
     >>> bool((kv[:, :, 1] == 1).all()), bool((kv[:, :, 0] != 1).any())
     (True, True)
     """
+    require_writeable(kv, "kv", "apply_rotary_emb_kv_ rotates it in place")
     shape = tuple(kv.shape)
     if len(shape) != 5 or shape[2] != 2:
         raise ValueError(f"kv must be [batch, seqlen, 2, nheads, headdim], got shape {shape}")

@@ -140,6 +140,7 @@ def apply_rotary_pos_emb(
             # as cos[position_ids] was there: a view.
             rows = (q.shape[0], ids.shape[1])
             ids = ids.expand(rows) if is_torch(ids) else np.broadcast_to(ids, rows)
+    _check_sequence_axis(q, ids if ids is not None else cos, unsqueeze_dim, layout)
     rotary_dim = int(cos.shape[-1])
     # One table for the batch ([1, seq_len, rotary_dim]) is broadcast over it as a view,
     # after its halves are checked and halved: the check reads the table once, not once
@@ -176,3 +177,23 @@ def apply_rotary_pos_emb(
         rotary_embedding_dim=rotary_dim,
         layout=layout,
     )
+
+
+def _check_sequence_axis(q: Any, positions: Any, unsqueeze_dim: int, layout: str) -> None:
+    """``ValueError`` where q's sequence axis under ``unsqueeze_dim`` does not match the
+    positions (``position_ids``, or cos of ``[batch, seq_len, rotary_dim]``) but its other
+    middle axis does: the other ``unsqueeze_dim`` was meant. (The operator would say so in
+    its own terms, ``layout=``, which this function does not take.)"""
+    if len(q.shape) != 4 or len(positions.shape) < 2:
+        return  # the operator words the other errors
+    seq_len = int(positions.shape[1])
+    axis, other_axis, other_dim = (2, 1, 2) if layout == "bhsd" else (1, 2, 1)
+    if int(q.shape[axis]) != seq_len and int(q.shape[other_axis]) == seq_len:
+        order = {1: "[batch, heads, seq_len, head_dim]", 2: "[batch, seq_len, heads, head_dim]"}
+        raise ValueError(
+            f"q has shape {tuple(q.shape)}: with unsqueeze_dim={unsqueeze_dim} it is read as "
+            f"{order[3 - other_dim]}, whose seq_len {int(q.shape[axis])} is not the "
+            f"{seq_len} positions of {'position_ids' if len(positions.shape) == 2 else 'cos'}; "
+            f"its axis {other_axis} has {seq_len}: if q is {order[other_dim]}, pass "
+            f"unsqueeze_dim={other_dim}"
+        )

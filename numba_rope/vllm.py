@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from numba_rope._autograd import check_unrecorded, forward_ad_active
-from numba_rope._interop import add_leading_axis, is_torch
+from numba_rope._interop import add_leading_axis, is_torch, require_writeable, to_host
 from numba_rope._validation import check_positive_int
 from numba_rope.cache import rope_cache
 from numba_rope.rotary import rotary_embedding as _operator
@@ -101,6 +101,13 @@ def rotary_embedding(
     >>> bool((qkv[:, 6 * 8 :] == 1).all()), bool((qkv[:, : 6 * 8] != 1).any())  # v untouched
     (True, True)
     """
+    for name, array in (("query", query), ("key", key)):
+        require_writeable(
+            array,
+            name,
+            "rotary_embedding rotates it in place, as vLLM's op does",
+            "call forward_native, which returns new arrays",
+        )
     _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, inplace=True)
 
 
@@ -319,23 +326,30 @@ def _as_query_tokens(positions: Any, query_shape: tuple[int, ...], head_size: in
     ``[num_tokens, -1, head_size]``); its CUDA op, and :func:`rotary_embedding`, do not.
     Otherwise ``positions`` as they are (:func:`_tokens` names what does not fit)."""
     lead = len(positions.shape)
-    if lead not in (1, 2) or tuple(query_shape[:lead]) == tuple(positions.shape):
+    if lead not in (1, 2):
         return positions
     tokens = int(np.prod(positions.shape))
-    other = 3 - lead  # the other form's number of token axes
-    shape = tuple(query_shape[:other])
-    # the other form fits: its token axes hold the tokens, and after them come the
-    # channels as [num_heads * head_size] or [num_heads, head_size]
-    channels = query_shape[other:]
-    fits = (
-        len(shape) == other
-        and int(np.prod(shape)) == tokens
-        and (
-            (len(channels) == 1 and channels[0] % head_size == 0)
-            or (len(channels) == 2 and channels[1] == head_size)
+
+    def fits(token_axes: int) -> bool:
+        """The query's first ``token_axes`` axes hold the tokens, and after them come
+        the channels as [num_heads * head_size] or [num_heads, head_size]."""
+        shape, channels = query_shape[:token_axes], query_shape[token_axes:]
+        return (
+            len(shape) == token_axes
+            and int(np.prod(shape)) == tokens
+            and (
+                (len(channels) == 1 and channels[0] % head_size == 0)
+                or (len(channels) == 2 and channels[1] == head_size)
+            )
         )
-    )
-    return positions.reshape(shape) if fits else positions
+
+    if tuple(query_shape[:lead]) == tuple(positions.shape) and fits(lead):
+        return positions
+    # The other form: [num_tokens] positions of a [batch_size, seq_len, ...] query (a
+    # decode step's seq_len of 1 too, whose first axis has as many entries as the
+    # positions), or [batch_size, seq_len] positions of a [num_tokens, ...] one.
+    other = 3 - lead
+    return positions.reshape(tuple(query_shape[:other])) if fits(other) else positions
 
 
 def _check_positions(positions: np.ndarray, rows: int) -> None:
@@ -361,24 +375,25 @@ def _grad_error_named(query: Any, key: Any) -> TypeError | None:
     its ``except`` clause, it would carry the operator's error for the same fault as its
     context, which a traceback prints as a second error, "During handling of the above
     exception, another exception occurred")."""
-    forward_mode = forward_ad_active()
     for name, tensor in (("query", query), ("key", key)):
-        if is_torch(tensor):
+        if is_torch(tensor):  # (torch is imported then: forward_ad_active reads it)
             try:
-                check_unrecorded(tensor, name, forward_mode)
+                check_unrecorded(tensor, name, forward_ad_active())
             except TypeError as error:
                 return error
     return None
 
 
 def _position_error_named(positions: Any, rows: int) -> IndexError | None:
-    """:func:`_check_positions`' error for NumPy ``positions``, or None (see
+    """:func:`_check_positions`' error for ``positions`` (NumPy, or copied to the host
+    from a tensor or a GPU array: only on this error path), or None (see
     :func:`_grad_error_named`)."""
-    if isinstance(positions, np.ndarray):
-        try:
-            _check_positions(positions, rows)
-        except IndexError as error:
-            return error
+    try:
+        _check_positions(to_host(positions), rows)
+    except IndexError as error:
+        return error
+    except Exception:  # not readable on the host here: the operator's error stands
+        return None
     return None
 
 
@@ -446,7 +461,7 @@ def _rotate(
         raise named from None
     except IndexError:
         # A position outside the cache (the operator has written nothing): named as the
-        # caller indexes ``positions`` (on the GPU the operator's message, ids[0, t]).
+        # caller indexes ``positions``, not as the operator's ids[0, t].
         named_position = _position_error_named(caller_positions, int(cos_sin_cache.shape[0]))
         if named_position is None:
             raise

@@ -654,3 +654,33 @@ def test_integer_tensors_with_the_negative_bit_are_read_as_their_values(rng):
         cos,
         sin,
     )
+
+
+def test_read_only_inputs_of_in_place_forms_are_named_as_flash_attn_names_them(rng):
+    """A read-only x with inplace=True, and a read-only qkv or kv (always rotated in
+    place): refused by flash-attn's names, with its fix (inplace=False), not the
+    operator's out=; nothing written. inplace=False reads a read-only x."""
+    cos, sin = make_cos_sin(rng, 8, 8, np.float32)
+    x = rng.standard_normal((2, 3, 2, 8)).astype(np.float32)
+    frozen = x.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError) as raised:
+        apply_rotary_emb(frozen, cos, sin, inplace=True)
+    assert str(raised.value).startswith("x is a read-only array") and "inplace=False" in str(
+        raised.value
+    )
+    packed = frozen[0]  # [total_seqlen, nheads, headdim]: the varlen form
+    with pytest.raises(ValueError, match=r"^x is a read-only array"):
+        apply_rotary_emb(packed, cos, sin, inplace=True, cu_seqlens=np.array([0, 1, 3]))
+    assert_bitwise_equal(apply_rotary_emb(frozen, cos, sin), apply_rotary_emb(x, cos, sin))
+    for form, name, shape in (
+        (apply_rotary_emb_qkv_, "qkv", (2, 3, 3, 2, 8)),
+        (apply_rotary_emb_kv_, "kv", (2, 3, 2, 2, 8)),
+    ):
+        values = np.ones(shape, np.float32)
+        values.flags.writeable = False
+        with pytest.raises(ValueError) as raised:
+            form(values, cos, sin)
+        message = str(raised.value)
+        assert message.startswith(f"{name} is a read-only array") and "out" not in message
+        assert (values == 1).all()

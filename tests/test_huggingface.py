@@ -156,6 +156,27 @@ def test_bad_arguments():
         apply_rotary_pos_emb(q, q, cos[None], cos[None])
 
 
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_the_other_unsqueeze_dim_is_named_in_its_words(unsqueeze_dim):
+    """q and k in the other order than unsqueeze_dim says: the message names the
+    unsqueeze_dim that fits (this function takes no layout=, the operator's word for
+    it), for 3-D cos and for 2-D cos with position_ids; nothing is written."""
+    shape = (2, 4, 5, 8) if unsqueeze_dim == 2 else (2, 5, 4, 8)  # [b, h, s, d], [b, s, h, d]
+    q = np.ones(shape, np.float32)
+    other = 3 - unsqueeze_dim
+    cos3 = np.ones((2, 5, 8), np.float32)
+    cos2, ids = np.ones((9, 8), np.float32), np.zeros((2, 5), np.int64)
+    for cos, ids_given, what in ((cos3, None, "cos"), (cos2, ids, "position_ids")):
+        with pytest.raises(ValueError) as raised:
+            apply_rotary_pos_emb(q, q, cos, cos, ids_given, unsqueeze_dim=unsqueeze_dim)
+        message = str(raised.value)
+        assert f"pass unsqueeze_dim={other}" in message and "layout" not in message, message
+        assert f"the 5 positions of {what}" in message, message
+        assert (q == 1).all()
+        # The same call with the other unsqueeze_dim runs.
+        apply_rotary_pos_emb(q, q, cos, cos, ids_given, unsqueeze_dim=other)
+
+
 def test_16_bit_numpy_against_the_contract(rng):
     q = rng.standard_normal((2, 3, 4, 8)).astype(BFLOAT16)
     cos, sin = full_width_caches(rng, 2, 4, 8, BFLOAT16)

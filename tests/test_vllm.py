@@ -328,6 +328,29 @@ def test_out_of_range_positions_on_the_gpu_raise_too(gpu):
     assert (gpu.off(query) == 1).all()
 
 
+def test_read_only_query_or_key_is_named_as_vllm_names_it():
+    """vLLM's in-place op on a read-only query or key: refused by its name, with the
+    form that returns new arrays (the operator would name its own out_q), nothing
+    written; forward_native takes read-only arrays."""
+    cache = make_cache(16, 8, np.float32)
+    positions = np.array([1, 2, 3])
+    query, key = np.ones((3, 16), np.float32), np.ones((3, 8), np.float32)
+    for name in ("query", "key"):
+        arrays = {"query": query.copy(), "key": key.copy()}
+        arrays[name].flags.writeable = False
+        with pytest.raises(ValueError) as raised:
+            vllm.rotary_embedding(positions, arrays["query"], arrays["key"], 8, cache, True)
+        message = str(raised.value)
+        assert message.startswith(f"{name} is a read-only array") and "out_q" not in message
+        assert "forward_native" in message
+        assert (arrays["query"] == 1).all() and (arrays["key"] == 1).all()
+        got_q, got_k = vllm.forward_native(
+            positions, arrays["query"], arrays["key"], 8, cache, True
+        )
+        assert_bitwise_equal(got_q, contract(positions, query, 8, cache, True))
+        assert_bitwise_equal(got_k, contract(positions, key, 8, cache, True))
+
+
 def test_2d_positions_out_of_range_name_their_place():
     positions = np.zeros((2, 3), np.int64)
     positions[1, 2] = 99
@@ -370,6 +393,10 @@ def test_equals_the_operator_on_the_same_tokens(rng):
         ((2, 3), (6, 32), (6, 2, 8)),  # [batch, seq_len] positions, [num_tokens, ...] tokens
         ((6,), (2, 3, 32), (2, 3, 1, 8)),  # [num_tokens] positions, [batch, seq_len, ...]
         ((6,), (2, 3, 4, 8), None),
+        # a decode step: seq_len 1, so the query's first axis has as many entries as
+        # the positions (vLLM views it as [num_tokens, -1, head_size] all the same)
+        ((3,), (3, 1, 4, 8), (3, 1, 1, 8)),
+        ((3,), (3, 1, 32), (3, 1, 8)),
     ],
 )
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
@@ -394,7 +421,13 @@ def test_forward_native_takes_positions_in_the_other_form(
         assert_close_to_oracle(got_k, want_k, key, cache)
         assert_bitwise_equal(got_k, contract(positions, key, 8, cache, is_neox))
     assert_bitwise_equal(query, before)
-    with pytest.raises(ValueError, match=re.escape(f"positions of shape {positions_shape},")):
+    # vLLM's in-place op takes positions in the query's form only: refused, naming the
+    # positions' shape (a [num_tokens, num_heads] query: its last axis, not head_size).
+    if query_shape == (3, 1, 32):
+        message = re.escape("query's last axis must be head_size = 8, got shape (3, 1, 32)")
+    else:
+        message = re.escape(f"positions of shape {positions_shape},")
+    with pytest.raises(ValueError, match=message):
         vllm.rotary_embedding(positions, query, key, 8, cache, is_neox)
     assert_bitwise_equal(query, before)
 
