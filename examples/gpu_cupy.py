@@ -14,7 +14,7 @@ import sys
 def cupy_or_skip():
     """CuPy, if it is installed and sees a GPU; else say why and exit 0."""
     if importlib.util.find_spec("cupy") is None:
-        print("no GPU, skipping: CuPy is not installed (pip install cupy-cuda12x)")
+        print("skipping: CuPy is not installed (pip install cupy-cuda12x)")
         sys.exit(0)
     import cupy
 

@@ -14,7 +14,7 @@ import sys
 def torch_or_skip():
     """torch, if it is installed and sees a GPU; else say why and exit 0."""
     if importlib.util.find_spec("torch") is None:
-        print("no GPU, skipping: torch is not installed")
+        print("skipping: torch is not installed")
         sys.exit(0)
     import torch
 

@@ -338,8 +338,8 @@ def _check_positions(
         ids_shape, ids_dtype = ids
         if ids_dtype.kind not in "iu":
             raise TypeError(
-                f"position_ids must be an integer array (int64 or int32), got dtype "
-                f"{ids_dtype.name}"
+                f"position_ids must be an integer array (any signed or unsigned integer "
+                f"dtype, e.g. int64 or int32), got dtype {ids_dtype.name}"
             )
         if tuple(ids_shape) != (batch, seq_len):
             hint = _layout_hint(

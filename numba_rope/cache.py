@@ -105,6 +105,10 @@ def _check_positive(name: str, value: Any, minimum: float = 0.0) -> float:
 def _check_dtype(dtype: Any) -> np.dtype:
     if dtype is None:  # np.dtype(None) would quietly mean float64
         raise TypeError(f"dtype must be one of {', '.join(CACHE_DTYPES)}, got None")
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        import ml_dtypes  # registers its types: NumPy knows the name only after this
+
+        dtype = ml_dtypes.bfloat16
     try:
         resolved = np.dtype(dtype)
     except (TypeError, ValueError):

@@ -2,11 +2,13 @@
 
 Changing a constant never changes a result: every element is computed by the same
 arithmetic whatever the split of the work. Each is checked when it is set (an integer
-in its range, see ``_RANGES``): a bad value raises ``ValueError`` at the assignment.
+in its range, see ``_RANGES``): a bad value raises ``ValueError`` at the assignment,
+and a name that is not a constant (a misspelt one) ``AttributeError``.
 """
 
 from __future__ import annotations
 
+import difflib
 import operator
 import sys
 import types
@@ -141,6 +143,15 @@ class _CheckedConfig(types.ModuleType):
 
     def __setattr__(self, name: str, value: object) -> None:
         bounds = _RANGES.get(name)
+        if bounds is None and not name.startswith("_") and not hasattr(self, name):
+            # A misspelt constant would be set and never read: refused, as a misspelt
+            # keyword is.
+            close = difflib.get_close_matches(name, _RANGES, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise AttributeError(
+                f"numba_rope.config has no constant {name}{hint} (the constants: "
+                f"{', '.join(_RANGES)})"
+            )
         if bounds is not None:
             least, most = bounds
             try:

@@ -43,11 +43,15 @@ def rotary_embedding(
     inverse: bool = False,
     precision: str = "float64",
 ) -> npt.NDArray[_Scalar]:
-    """Reference rotary embedding, in plain NumPy, with every keyword of the operator.
+    """Reference rotary embedding, in plain NumPy, with every keyword of the operator
+    that chooses the result.
 
     Same arguments and semantics as :func:`numba_rope.rotary_embedding` for NumPy arrays
     (``layout``, ``num_heads`` for 3-D input, ``position_offset``, ``inverse``), checked
-    only as far as a reference must: position ids and offsets inside the caches.
+    only as far as a reference must: position ids and offsets inside the caches. The
+    operator's keywords of where and how it runs (``out``, ``stream``,
+    ``check_position_ids``) are not taken (it returns a new array), and caches of any
+    float dtype are (float64 caches for float32 input too, which the operator refuses).
 
     Parameters
     ----------

@@ -6,6 +6,8 @@ oracles are in test_cache_scaling.py, the cos/sin kernel in test_cache_sincos.py
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -101,6 +103,18 @@ def test_accepts_numpy_scalars_and_mappings():
     for dtype in ("float16", np.dtype(np.float16), np.float16):
         assert numba_rope.rope_cache(2, 4, dtype=dtype)[0].dtype == np.float16
     assert numba_rope.rope_cache(2, 4, dtype=ml_dtypes.bfloat16)[0].dtype == BFLOAT16
+    # By name, in a process that has not imported ml_dtypes (NumPy knows the name only
+    # after it has): the same bits as the type.
+    script = (
+        "import sys, numba_rope; assert 'ml_dtypes' not in sys.modules; "
+        "print(numba_rope.rope_cache(3, 4, dtype='bfloat16')[0].view('u2').tolist())"
+    )
+    named = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout
+    assert named.strip() == str(
+        numba_rope.rope_cache(3, 4, dtype=BFLOAT16)[0].view(np.uint16).tolist()
+    )
     big_endian = numba_rope.rope_cache(2, 4, dtype=">f4")[0]
     assert big_endian.dtype == np.float32 and big_endian.dtype.isnative
     assert big_endian.dtype is np.dtype(np.float32)  # NumPy's own object: plans compare it

@@ -286,6 +286,16 @@ def test_tuning_constants_are_checked_when_set(rng, name, value):
         assert_bitwise_equal(numba_rope.rotary_embedding(x, cos, sin, ids), want)
 
 
+def test_a_misspelt_tuning_constant_is_refused():
+    """A name that is not a constant would be set and never read: AttributeError
+    naming the closest constant, nothing set; private names stay settable."""
+    with pytest.raises(AttributeError, match="did you mean PARALLEL_MIN_ELEMENTS"):
+        config.PARALEL_MIN_ELEMENTS = 5
+    assert not hasattr(config, "PARALEL_MIN_ELEMENTS")
+    with pytest.raises(AttributeError, match=r"no constant TILE_TOKENS.*TOKENS_PER_TILE"):
+        config.TILE_TOKENS = 8
+
+
 def test_tuning_constants_accept_integers_of_any_kind(monkeypatch):
     monkeypatch.setattr(config, "TOKENS_PER_TILE", np.int64(8))
     assert type(config.TOKENS_PER_TILE) is int and config.TOKENS_PER_TILE == 8
