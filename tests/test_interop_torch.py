@@ -79,6 +79,17 @@ def test_vllm_forms_name_the_tensor_that_requires_grad(rng, which):
     assert torch.equal(query, before[0]) and torch.equal(key, before[1])
 
 
+def test_vllm_torch_positions_out_of_the_cache_are_named_as_numpy_ones():
+    """A torch tensor of positions, one outside the cache: named as the caller indexes
+    positions (as NumPy positions are), not as the operator's ids; nothing written."""
+    query = torch.ones(3, 2 * 8)
+    cache = tensor(vllm.make_cos_sin_cache(32, 8, dtype=np.float32))
+    for form in (vllm.rotary_embedding, vllm.forward_native):
+        with pytest.raises(IndexError, match=r"^positions\[2\] = 32 is outside cos_sin_cache"):
+            form(torch.tensor([5, 6, 32]), query, None, 8, cache, True)
+        assert bool((query == 1).all())
+
+
 @pytest.mark.parametrize("inplace", [False, True], ids=["new", "inplace"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 def test_flash_attn_varlen_with_torch_tensors(rng, interleaved, inplace):
