@@ -198,14 +198,17 @@ def _check_scaling(scaling: Any) -> tuple[str, dict[str, Any]]:
 _PHI3_FORMER_NAMES = ("su", "yarn")
 _PHI3_MODEL_TYPES = ("phi3", "phi4_multimodal")
 
+#: ``(rope_type, type)`` pairs that transformers' config classes leave in a config's
+#: rope parameters, and read as ``rope_type``: Phi-3's (above), and the multimodal
+#: models' ``"mrope"`` (Qwen2-VL and its kin), whose cos/sin table is the default one
+#: (their sections choose positions, not frequencies), turned into ``"default"``.
+_CONVERTED_TYPES = {("longrope", name) for name in _PHI3_FORMER_NAMES} | {("default", "mrope")}
+
 
 def _same_type(rope_type: Any, legacy_type: Any) -> bool:
     """Whether ``rope_type`` and the former key ``type`` name one type: the same name,
-    or ``"longrope"`` beside a Phi-3 former name of it (as a ``Phi3Config`` leaves
-    them)."""
-    return legacy_type == rope_type or (
-        rope_type == "longrope" and legacy_type in _PHI3_FORMER_NAMES
-    )
+    or a pair that a transformers config class leaves (:data:`_CONVERTED_TYPES`)."""
+    return legacy_type == rope_type or (rope_type, legacy_type) in _CONVERTED_TYPES
 
 
 def _former_name_hint(rope_type: Any) -> str:
@@ -780,9 +783,10 @@ def rope_cache(
     scaling : dict or None, default None
         numba_rope's form: None for plain RoPE, or a transformers ``rope_scaling`` dict
         without ``rope_theta`` and with every parameter given: ``rope_type`` (``"type"``
-        is accepted as its former name; given both, they must name one type, or
-        ``"longrope"`` beside Phi-3's former names of it, ``"su"`` and ``"yarn"``, as
-        transformers' ``Phi3Config`` leaves them) and the parameters below. Unknown
+        is accepted as its former name; given both, they must name one type, or be a
+        pair that transformers' config classes leave: ``"longrope"`` beside Phi-3's
+        former names of it, ``"su"`` and ``"yarn"``, or ``"default"`` beside Qwen2-VL's
+        ``"mrope"``) and the parameters below. Unknown
         types, unknown keys and missing parameters raise ``ValueError``; an optional key
         set to None counts as absent, but for yarn's ``truncate``: None means no
         truncation, as in transformers (``if truncate:``).

@@ -942,6 +942,24 @@ def test_matches_transformers_phi3_former_names_of_longrope(former):
             assert_close_to_transformers(ours, theirs)
 
 
+def test_a_multimodal_config_that_transformers_made_default_is_read():
+    """Qwen2-VL's config class turns a 4.x rope_scaling of type "mrope" into rope_type
+    "default" and keeps type "mrope" beside it: read as transformers reads it (the
+    default table), not refused as two types."""
+    pytest.importorskip("transformers")
+    import transformers
+
+    config = transformers.Qwen2VLConfig(rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    text = getattr(config, "text_config", config)
+    assert text.rope_parameters["rope_type"] == "default"
+    assert text.rope_parameters["type"] == "mrope"
+    head_dim = text.hidden_size // text.num_attention_heads
+    want = numba_rope.rope_cache(6, head_dim, base=text.rope_parameters["rope_theta"])
+    for form in (text, text.to_dict()):
+        for got, expected in zip(numba_rope.rope_cache(6, config=form), want, strict=True):
+            assert_bitwise_equal(got, expected)
+
+
 def test_matches_transformers_phi3_partial_default():
     hf = transformers_modules()
     config = hf.Phi3Config(
