@@ -142,6 +142,15 @@ def apply_rotary_pos_emb(
             ids = ids.expand(rows) if is_torch(ids) else np.broadcast_to(ids, rows)
     _check_sequence_axis(q, ids if ids is not None else cos, unsqueeze_dim, layout)
     rotary_dim = int(cos.shape[-1])
+    head_dim = int(q.shape[-1])
+    if rotary_dim > head_dim:
+        # (Said here in this function's terms: the operator names rotary_embedding_dim.
+        # An odd width is refused where the halves are taken.)
+        raise ValueError(
+            f"cos and sin have {rotary_dim} columns (the rotated channels, rotary_dim), "
+            f"more than q's head_dim = {head_dim} (q has shape {tuple(q.shape)}): pass the "
+            f"rotary module's cos and sin for this head size"
+        )
     # One table for the batch ([1, seq_len, rotary_dim]) is broadcast over it as a view,
     # after its halves are checked and halved: the check reads the table once, not once
     # per sequence.
@@ -188,12 +197,20 @@ def _check_sequence_axis(q: Any, positions: Any, unsqueeze_dim: int, layout: str
         return  # the operator words the other errors
     seq_len = int(positions.shape[1])
     axis, other_axis, other_dim = (2, 1, 2) if layout == "bhsd" else (1, 2, 1)
-    if int(q.shape[axis]) != seq_len and int(q.shape[other_axis]) == seq_len:
-        order = {1: "[batch, heads, seq_len, head_dim]", 2: "[batch, seq_len, heads, head_dim]"}
+    if int(q.shape[axis]) == seq_len:
+        return
+    order = {1: "[batch, heads, seq_len, head_dim]", 2: "[batch, seq_len, heads, head_dim]"}
+    what = "position_ids" if len(positions.shape) == 2 else "cos"
+    read = (
+        f"q has shape {tuple(q.shape)}: with unsqueeze_dim={unsqueeze_dim} it is read as "
+        f"{order[3 - other_dim]}, whose seq_len {int(q.shape[axis])} is not the {seq_len} "
+        f"positions of {what} (shape {tuple(positions.shape)})"
+    )
+    if int(q.shape[other_axis]) == seq_len:
         raise ValueError(
-            f"q has shape {tuple(q.shape)}: with unsqueeze_dim={unsqueeze_dim} it is read as "
-            f"{order[3 - other_dim]}, whose seq_len {int(q.shape[axis])} is not the "
-            f"{seq_len} positions of {'position_ids' if len(positions.shape) == 2 else 'cos'}; "
-            f"its axis {other_axis} has {seq_len}: if q is {order[other_dim]}, pass "
+            f"{read}; its axis {other_axis} has {seq_len}: if q is {order[other_dim]}, pass "
             f"unsqueeze_dim={other_dim}"
         )
+    # (Said here in the caller's shapes: the operator would give the halved caches'.)
+    form = "[batch, seq_len]" if what == "position_ids" else "[batch, seq_len, rotary_dim]"
+    raise ValueError(f"{read}; {what} must be {form} with seq_len = {int(q.shape[axis])}")

@@ -156,6 +156,29 @@ def test_bad_arguments():
         apply_rotary_pos_emb(q, q, cos[None], cos[None])
 
 
+def test_caches_that_do_not_fit_q_are_named_in_its_words():
+    """cos and sin wider than the head, or covering another number of positions than
+    q's sequence: said in this function's terms and the caller's shapes (not the
+    operator's rotary_embedding_dim, nor the halved caches' shape)."""
+    q = np.ones((2, 4, 6, 8), np.float32)
+    for width in (10, 16):
+        cos = np.ones((2, 6, width), np.float32)
+        with pytest.raises(ValueError) as raised:
+            apply_rotary_pos_emb(q, q, cos, cos)
+        message = str(raised.value)
+        assert f"cos and sin have {width} columns" in message and "head_dim = 8" in message
+        assert "rotary_embedding_dim" not in message
+    cos = np.ones((2, 5, 8), np.float32)
+    with pytest.raises(ValueError) as raised:
+        apply_rotary_pos_emb(q, q, cos, cos)
+    message = str(raised.value)
+    assert "positions of cos (shape (2, 5, 8))" in message, message
+    assert "[batch, seq_len, rotary_dim] with seq_len = 6" in message, message
+    with pytest.raises(ValueError, match=r"position_ids must be \[batch, seq_len\]"):
+        apply_rotary_pos_emb(q, q, np.ones((9, 8)), np.ones((9, 8)), np.zeros((2, 5), int))
+    assert (q == 1).all()
+
+
 @pytest.mark.parametrize("unsqueeze_dim", [1, 2])
 def test_the_other_unsqueeze_dim_is_named_in_its_words(unsqueeze_dim):
     """q and k in the other order than unsqueeze_dim says: the message names the
