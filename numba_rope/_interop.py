@@ -105,15 +105,18 @@ def host_integers(array: Any) -> bool:
     return host_tensor(array) and str(array.dtype) in _TORCH_INTEGERS
 
 
-def require_writeable(array: Any, name: str, why: str, instead: str = "") -> None:
-    """``ValueError`` for a read-only NumPy ``array`` that a caller's form rotates in
-    place, in its own words (the operator would name its ``out`` argument, which such a
-    form does not have): ``why`` it is written, and what else to do ``instead``."""
+def read_only_error(array: Any, name: str, why: str, instead: str = "") -> ValueError | None:
+    """The ``ValueError`` for a read-only NumPy ``array`` that a caller's form rotates in
+    place, in its own words (the operator names its ``out`` argument, which such a form
+    does not have): ``why`` it is written, what else to do ``instead``; else None. Looked
+    for only where the operator has refused the call (the error path), and raised by the
+    caller ``from None``."""
     if isinstance(array, np.ndarray) and not array.flags.writeable:
-        raise ValueError(
+        return ValueError(
             f"{name} is a read-only array, and {why}: pass a writeable one (e.g. "
             f"np.array({name}))" + (f", or {instead}" if instead else "")
         )
+    return None
 
 
 def over_batch(cos: Any, sin: Any, batch: int | None) -> tuple[Any, Any]:

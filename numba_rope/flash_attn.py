@@ -57,7 +57,7 @@ from numba_rope._interop import (
     host_tensor,
     is_torch,
     like,
-    require_writeable,
+    read_only_error,
     to_host,
 )
 from numba_rope.rotary import rotary_embedding, rotary_embedding_qk
@@ -194,38 +194,48 @@ def apply_rotary(
     >>> bool(np.allclose(back, x))
     True
     """
-    if inplace:
-        require_writeable(x, "x", "inplace=True rotates it in place", "pass inplace=False")
-    if cu_seqlens is not None:
-        return _varlen(
-            x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, interleaved, inplace, conjugate
+    try:
+        if cu_seqlens is not None:
+            return _varlen(
+                x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, interleaved, inplace, conjugate
+            )
+        _require_dims(x, 4, "x", "[batch, seqlen, nheads, headdim]", varlen_hint=True)
+        rotary_dim = _rotary_dim(x, cos, sin)
+        batch, seqlen = tuple(x.shape)[:2]
+        options = {
+            "interleaved": interleaved,
+            "rotary_embedding_dim": rotary_dim,
+            "layout": "bshd",
+            "inverse": conjugate,
+        }
+        if _operator_checks(x, seqlen_offsets):
+            try:
+                result = _rotate(
+                    x, cos, sin, None, out=x if inplace else None, position_offset=seqlen_offsets,
+                    **options,
+                )  # fmt: skip
+            except (TypeError, ValueError, IndexError):
+                named = _offsets_error(seqlen_offsets, batch, seqlen, _rows(cos))
+                if named is None:
+                    raise
+                raise named from None
+            return x if inplace else result
+        offset = _checked_offsets(seqlen_offsets, batch, np.full(batch, seqlen), _rows(cos))
+        result = _rotate(
+            x, cos, sin, None, out=x if inplace else None, position_offset=offset, **options
         )
-    _require_dims(x, 4, "x", "[batch, seqlen, nheads, headdim]", varlen_hint=True)
-    rotary_dim = _rotary_dim(x, cos, sin)
-    batch, seqlen = tuple(x.shape)[:2]
-    options = {
-        "interleaved": interleaved,
-        "rotary_embedding_dim": rotary_dim,
-        "layout": "bshd",
-        "inverse": conjugate,
-    }
-    if _operator_checks(x, seqlen_offsets):
-        try:
-            result = _rotate(
-                x, cos, sin, None, out=x if inplace else None, position_offset=seqlen_offsets,
-                **options,
-            )  # fmt: skip
-        except (TypeError, ValueError, IndexError):
-            named = _offsets_error(seqlen_offsets, batch, seqlen, _rows(cos))
-            if named is None:
-                raise
-            raise named from None
         return x if inplace else result
-    offset = _checked_offsets(seqlen_offsets, batch, np.full(batch, seqlen), _rows(cos))
-    result = _rotate(
-        x, cos, sin, None, out=x if inplace else None, position_offset=offset, **options
-    )
-    return x if inplace else result
+    except ValueError:
+        # A read-only x in place (the operator has written nothing): named as flash-attn
+        # names it, not as the operator's out; checked only on this path.
+        named = (
+            read_only_error(x, "x", "inplace=True rotates it in place", "pass inplace=False")
+            if inplace
+            else None
+        )
+        if named is None:
+            raise
+        raise named from None
 
 
 def _operator_checks(x: Any, seqlen_offsets: Any) -> bool:
@@ -313,7 +323,9 @@ def apply_rotary_emb_qkv_(
     >>> bool((qkv[:, :, 5] == 1).all()), bool((qkv[:, 1, :5] != 1).any())  # v untouched
     (True, True)
     """
-    require_writeable(qkv, "qkv", "apply_rotary_emb_qkv_ rotates it in place")
+    read_only = read_only_error(qkv, "qkv", "apply_rotary_emb_qkv_ rotates it in place")
+    if read_only is not None:
+        raise read_only
     shape = tuple(qkv.shape)
     if len(shape) == 5:
         if shape[2] != 3:
@@ -386,7 +398,9 @@ def apply_rotary_emb_kv_(
     >>> bool((kv[:, :, 1] == 1).all()), bool((kv[:, :, 0] != 1).any())
     (True, True)
     """
-    require_writeable(kv, "kv", "apply_rotary_emb_kv_ rotates it in place")
+    read_only = read_only_error(kv, "kv", "apply_rotary_emb_kv_ rotates it in place")
+    if read_only is not None:
+        raise read_only
     shape = tuple(kv.shape)
     if len(shape) != 5 or shape[2] != 2:
         raise ValueError(f"kv must be [batch, seqlen, 2, nheads, headdim], got shape {shape}")

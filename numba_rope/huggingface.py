@@ -140,52 +140,70 @@ def apply_rotary_pos_emb(
             # as cos[position_ids] was there: a view.
             rows = (q.shape[0], ids.shape[1])
             ids = ids.expand(rows) if is_torch(ids) else np.broadcast_to(ids, rows)
-    _check_sequence_axis(q, ids if ids is not None else cos, unsqueeze_dim, layout)
     rotary_dim = int(cos.shape[-1])
-    head_dim = int(q.shape[-1])
-    if rotary_dim > head_dim:
-        # (Said here in this function's terms: the operator names rotary_embedding_dim.
-        # An odd width is refused where the halves are taken.)
-        raise ValueError(
-            f"cos and sin have {rotary_dim} columns (the rotated channels, rotary_dim), "
-            f"more than q's head_dim = {head_dim} (q has shape {tuple(q.shape)}): pass the "
-            f"rotary module's cos and sin for this head size"
-        )
     # One table for the batch ([1, seq_len, rotary_dim]) is broadcast over it as a view,
     # after its halves are checked and halved: the check reads the table once, not once
     # per sequence.
     batch = q.shape[0] if ids is None and cos.shape[0] == 1 and q.shape[0] != 1 else None
-    if is_torch(q):
-        import numba_rope.torch  # registers the ops
+    try:
+        if is_torch(q):
+            import numba_rope.torch  # registers the ops
 
-        if not (is_torch(cos) and is_torch(sin)):
-            # NumPy caches (rope_cache's, written twice): halved here, on the host, and
-            # taken by numba_rope.torch as tensors over their memory.
-            return numba_rope.torch.rotary_embedding_qk(
-                q,
-                k,
-                *over_batch(first_half(cos, "cos"), first_half(sin, "sin"), batch),
-                ids,
-                rotary_embedding_dim=rotary_dim,
-                layout=layout,
+            if not (is_torch(cos) and is_torch(sin)):
+                # NumPy caches (rope_cache's, written twice): halved here, on the host, and
+                # taken by numba_rope.torch as tensors over their memory.
+                return numba_rope.torch.rotary_embedding_qk(
+                    q,
+                    k,
+                    *over_batch(first_half(cos, "cos"), first_half(sin, "sin"), batch),
+                    ids,
+                    rotary_embedding_dim=rotary_dim,
+                    layout=layout,
+                )
+            numba_rope.torch.check_caches(cos, sin)  # (gradients for q and k only)
+            if ids is not None and not is_torch(ids):
+                ids = like(ids, q)  # (a read-only broadcast row too, without torch's warning)
+            # The op checks the halves, halves the caches and broadcasts a one-row table over
+            # the batch where the data are real (under torch.compile too); it is
+            # differentiable with respect to q and k (recorded_qk_op records either mode).
+            return numba_rope.torch.recorded_qk_op(
+                q, k, cos, sin, ids, None, None, False, rotary_dim, layout, None, None, False, True
             )
-        numba_rope.torch.check_caches(cos, sin)  # (gradients for q and k only)
-        if ids is not None and not is_torch(ids):
-            ids = like(ids, q)  # (a read-only broadcast row too, without torch's warning)
-        # The op checks the halves, halves the caches and broadcasts a one-row table over
-        # the batch where the data are real (under torch.compile too); it is
-        # differentiable with respect to q and k (recorded_qk_op records either mode).
-        return numba_rope.torch.recorded_qk_op(
-            q, k, cos, sin, ids, None, None, False, rotary_dim, layout, None, None, False, True
+        return rotary_embedding_qk(
+            q,
+            k,
+            *over_batch(first_half(cos, "cos"), first_half(sin, "sin"), batch),
+            ids,
+            rotary_embedding_dim=rotary_dim,
+            layout=layout,
         )
-    return rotary_embedding_qk(
-        q,
-        k,
-        *over_batch(first_half(cos, "cos"), first_half(sin, "sin"), batch),
-        ids,
-        rotary_embedding_dim=rotary_dim,
-        layout=layout,
-    )
+    except ValueError:
+        # Caches that do not fit q (the operator has written nothing): said in this
+        # function's terms and the caller's shapes, not the operator's (layout=,
+        # rotary_embedding_dim, the halved caches); looked for only on this path.
+        named = _shape_error(q, ids if ids is not None else cos, cos, unsqueeze_dim, layout)
+        if named is None:
+            raise
+        raise named from None
+
+
+def _shape_error(
+    q: Any, positions: Any, cos: Any, unsqueeze_dim: int, layout: str
+) -> ValueError | None:
+    """The error of :func:`_check_sequence_axis`, or of cos wider than q's head (an odd
+    width is refused where the halves are taken), or None."""
+    try:
+        _check_sequence_axis(q, positions, unsqueeze_dim, layout)
+    except ValueError as error:
+        return error
+    rotary_dim, head_dim = int(cos.shape[-1]), int(q.shape[-1])
+    if rotary_dim > head_dim:
+        return ValueError(
+            f"cos and sin have {rotary_dim} columns (the rotated channels, rotary_dim), "
+            f"more than q's head_dim = {head_dim} (q has shape {tuple(q.shape)}): pass the "
+            f"rotary module's cos and sin for this head size"
+        )
+    return None
 
 
 def _check_sequence_axis(q: Any, positions: Any, unsqueeze_dim: int, layout: str) -> None:

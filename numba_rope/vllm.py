@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from numba_rope._autograd import check_unrecorded, forward_ad_active
-from numba_rope._interop import add_leading_axis, is_torch, require_writeable, to_host
+from numba_rope._interop import add_leading_axis, is_torch, read_only_error, to_host
 from numba_rope._validation import check_positive_int
 from numba_rope.cache import rope_cache
 from numba_rope.rotary import rotary_embedding as _operator
@@ -101,13 +101,6 @@ def rotary_embedding(
     >>> bool((qkv[:, 6 * 8 :] == 1).all()), bool((qkv[:, : 6 * 8] != 1).any())  # v untouched
     (True, True)
     """
-    for name, array in (("query", query), ("key", key)):
-        require_writeable(
-            array,
-            name,
-            "rotary_embedding rotates it in place, as vLLM's op does",
-            "call forward_native, which returns new arrays",
-        )
     _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, inplace=True)
 
 
@@ -369,6 +362,21 @@ def _check_positions(positions: np.ndarray, rows: int) -> None:
         )
 
 
+def _read_only_named(query: Any, key: Any) -> ValueError | None:
+    """The error for a read-only query or key of :func:`rotary_embedding` (in place), in
+    vLLM's names, or None (see :func:`_grad_error_named`)."""
+    for name, array in (("query", query), ("key", key)):
+        error = read_only_error(
+            array,
+            name,
+            "rotary_embedding rotates it in place, as vLLM's op does",
+            "call forward_native, which returns new arrays",
+        )
+        if error is not None:
+            return error
+    return None
+
+
 def _grad_error_named(query: Any, key: Any) -> TypeError | None:
     """The error :func:`check_unrecorded` raises for query or key, named as vLLM names
     them, or None. Returned, not raised: the caller raises it ``from None`` (raised in
@@ -459,6 +467,13 @@ def _rotate(
         if named is None:
             raise
         raise named from None
+    except ValueError:
+        # A read-only query or key of the in-place op (the operator has written nothing):
+        # named as vLLM names it, not as the operator's out_q; checked only on this path.
+        named_array = _read_only_named(query, key) if inplace else None
+        if named_array is None:
+            raise
+        raise named_array from None
     except IndexError:
         # A position outside the cache (the operator has written nothing): named as the
         # caller indexes ``positions``, not as the operator's ids[0, t].

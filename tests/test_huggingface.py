@@ -175,7 +175,8 @@ def test_caches_that_do_not_fit_q_are_named_in_its_words():
     assert "positions of cos (shape (2, 5, 8))" in message, message
     assert "[batch, seq_len, rotary_dim] with seq_len = 6" in message, message
     with pytest.raises(ValueError, match=r"position_ids must be \[batch, seq_len\]"):
-        apply_rotary_pos_emb(q, q, np.ones((9, 8)), np.ones((9, 8)), np.zeros((2, 5), int))
+        table = np.ones((9, 8), np.float32)
+        apply_rotary_pos_emb(q, q, table, table, np.zeros((2, 5), int))
     assert (q == 1).all()
 
 
